@@ -1,0 +1,45 @@
+"""JIT: each kernel variant is compiled once per process (memory cache) and once per machine (TileLang's disk
+cache, ``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``). One log line per variant built, with its time."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+from mla.target import TargetSpec
+from tl_kernels.mla_combine import CombineKernelConfig, mla_combine_kernel
+from tl_kernels.mla_decode import DecodeKernelConfig, mla_decode_kernel
+
+log = logging.getLogger("mla")
+
+
+def prim_func(cfg: DecodeKernelConfig | CombineKernelConfig):
+    """The TileLang prim_func of a kernel config."""
+    if isinstance(cfg, DecodeKernelConfig):
+        return mla_decode_kernel(cfg)
+    if isinstance(cfg, CombineKernelConfig):
+        return mla_combine_kernel(cfg)
+    raise TypeError(f"not a kernel config: {type(cfg).__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def get_kernel(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):
+    """The compiled kernel for ``cfg`` on ``spec`` (compiled on first use, then cached)."""
+    import tilelang  # deferred: importing TileLang costs ~1 s and is only needed to build kernels
+
+    start = time.perf_counter()
+    kernel = tilelang.compile(prim_func(cfg), target=spec.target_dict)
+    log.info("mla: %s for %s ready in %.1f s", cfg.name, spec.name, time.perf_counter() - start)
+    return kernel
+
+
+def lower(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):
+    """Lower (no device compiler) for ``spec``; returns TileLang's artifact with ``.kernel_source``.
+
+    Works for any target on a CPU-only machine, e.g. gfx942 without ROCm."""
+    import tilelang
+    from tvm import target as tvm_target
+
+    with tvm_target.Target(spec.target_dict):
+        return tilelang.lower(prim_func(cfg), target=spec.target_dict)

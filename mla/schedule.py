@@ -1,0 +1,110 @@
+"""Scheduling: which kernel config and how many KV splits. Pure functions of host-known sizes (no device data,
+no host-device sync), so they are cheap, CUDA-graph safe and testable on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+from mla.target import TargetSpec
+from tl_kernels.mla_combine import CombineKernelConfig
+from tl_kernels.mla_decode import DecodeKernelConfig
+
+MAX_SPLITS = 64
+# Cost model of one CTA, in units of "one KV tile streamed": fixed work per CTA (Q load, output write, launch
+# ramp) and the extra cost of the combine kernel when the KV is split. Tuned on the H200 (docs/perf.md).
+CTA_OVERHEAD_TILES = 2.0
+COMBINE_OVERHEAD_TILES = 2.0
+
+
+def decode_config(
+    spec: TargetSpec,
+    *,
+    kv_format: str,
+    q_format: str = "bf16",
+    num_heads: int = 16,
+    q_tile: int = 1,
+    causal: bool = False,
+    split: bool = True,
+) -> DecodeKernelConfig:
+    """The decode kernel config for a target and a problem class (not a problem size)."""
+    block_h = min(num_heads, max(16, 64 // q_tile))
+    block_m = block_h * q_tile
+    # 128 threads for 16 rows (4 warps on Hopper, 2 wave64s on gfx942: each still owns a whole 16-wide MMA tile
+    # of a 32-token KV tile); 256 for more rows, so a 64-row fp32 accumulator stays in registers (64 KiB over 256
+    # lanes). KV tile: the largest that fits the shared memory / LDS budget. gfx942 has no async copy to LDS, so
+    # compressed tiles are dequantized straight from global memory instead of being staged.
+    threads = 256 if block_m > 16 else 128
+    for block_n in (64, 32):
+        cfg = DecodeKernelConfig(
+            kv_format=kv_format,
+            q_format=q_format,
+            num_heads=num_heads,
+            block_h=block_h,
+            q_tile=q_tile,
+            block_n=block_n,
+            num_stages=1,
+            threads=threads,
+            causal=causal,
+            split=split,
+            stage_compressed=not spec.is_hip,
+            fp8_dtype=spec.fp8_tl_dtype,
+        )
+        if cfg.shared_bytes <= spec.smem_bytes:
+            return cfg
+    raise ValueError(f"no decode config fits {spec.smem_bytes} B of shared memory on {spec.name}")
+
+
+def combine_config(spec: TargetSpec, *, num_heads: int = 16) -> CombineKernelConfig:
+    return CombineKernelConfig(num_heads=num_heads, threads=128)
+
+
+def ctas_per_sm(spec: TargetSpec, cfg: DecodeKernelConfig) -> int:
+    """How many decode CTAs fit on one SM / CU at once (shared memory is the binding limit)."""
+    return max(1, min(spec.smem_bytes // max(cfg.shared_bytes, 1), 2048 // cfg.threads, 8))
+
+
+def choose_num_splits(
+    *,
+    batch: int,
+    total_kv: int,
+    num_sms: int,
+    ctas_per_sm: int,
+    block_n: int,
+    head_groups: int = 1,
+    max_splits: int = MAX_SPLITS,
+) -> int:
+    """KV splits per sequence for a batch whose mean KV length is total_kv / batch.
+
+    Picks the split count with the lowest modelled time: the number of CTA waves times the tiles one CTA streams
+    plus its fixed overhead, plus the combine kernel when splitting. 1 means no combine kernel at all.
+    """
+    if batch <= 0 or total_kv <= 0:
+        return 1
+    tiles = math.ceil(total_kv / batch / block_n)  # KV tiles of an average sequence
+    slots = num_sms * ctas_per_sm
+    best, best_cost = 1, math.inf
+    for splits in range(1, min(max_splits, tiles) + 1):
+        waves = math.ceil(batch * head_groups * splits / slots)
+        cost = waves * (math.ceil(tiles / splits) + CTA_OVERHEAD_TILES) + (COMBINE_OVERHEAD_TILES if splits > 1 else 0)
+        if cost < best_cost - 1e-9:
+            best, best_cost = splits, cost
+    return best
+
+
+# (kv_format, q_format) pairs the op runs: bf16 Q over every cache, and a8w8 (fp8 Q over an fp8 cache).
+MODES = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "bf16"), "a8w8": ("fp8", "fp8"), "mxfp4": ("mxfp4", "bf16")}
+
+
+def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:
+    """Every kernel the op may launch for one problem class: each mode's split and direct decode kernel, and the
+    combine kernel. Used to pre-build (bench.py without a GPU) and to test that all of them compile."""
+    variants = []
+    for kv_format, q_format in MODES.values():
+        for split in (True, False):
+            variants.append(
+                decode_config(
+                    spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal, split=split
+                )
+            )
+    variants.append(combine_config(spec, num_heads=num_heads))
+    return variants

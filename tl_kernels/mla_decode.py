@@ -1,0 +1,322 @@
+"""Split-KV MLA decode (absorbed form): one TileLang program per static config.
+
+Each CTA owns one (sequence, KV split, head group). Its stages:
+  1. load the Q rows it serves (``q_tile`` query tokens x ``block_h`` heads, 576 dims) once per query pass;
+  2. walk the split's KV tokens in tiles of ``block_n``: copy the tile (compressed, if the format is) into
+     shared memory, then dequantize it to bf16 there (fp8 / mxfp4);
+  3. S = Q K^T over all 576 dims; tokens past the split end (or, causal, past each query's horizon) get -inf;
+  4. online softmax in base 2: log2(e) is folded into the score scale, so one exp2 per score;
+  5. O += P V, where V is the first 512 dims of the same tile (the latent part is both K and V);
+  6. write the final bf16 output (``split=False``) or an fp32 partial output plus its base-2 log-sum-exp,
+     which ``tl_kernels.mla_combine`` reduces over splits.
+
+Only what changes the generated code is static (``DecodeKernelConfig``); batch size, token counts, sequence
+lengths and the number of splits are dynamic, so a new shape never recompiles.
+"""
+
+
+
+from dataclasses import dataclass
+
+import tilelang
+import tilelang.language as T
+
+KV_LORA_RANK = 512  # latent dims: keys and values
+ROPE_DIM = 64  # rope dims: keys only
+QK_DIM = KV_LORA_RANK + ROPE_DIM  # 576
+MXFP4_BLOCK = 32  # elements per e8m0 scale
+MXFP4_SCALES_PER_TOKEN = QK_DIM // MXFP4_BLOCK  # 18
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+
+KV_FORMATS = ("bf16", "fp8", "mxfp4")
+Q_FORMATS = ("bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class DecodeKernelConfig:
+    """Everything that changes the generated code of the decode kernel."""
+
+    kv_format: str  # "bf16" | "fp8" | "mxfp4"
+    q_format: str = "bf16"  # "bf16" | "fp8" (a8w8: Q arrives as fp8 codes with a per-tensor scale)
+    num_heads: int = 16  # query heads of the op (16..128)
+    block_h: int = 16  # heads per CTA
+    q_tile: int = 1  # query tokens per CTA pass (rows = q_tile * block_h)
+    block_n: int = 64  # KV tokens per tile
+    num_stages: int = 1  # software-pipeline depth of the KV loop (>= 2 hits a TileLang 0.1.15 codegen bug with per-CTA trip counts)
+    threads: int = 128
+    causal: bool = False
+    split: bool = True  # True: write fp32 partials + LSE for the combine kernel; False: final output
+    stage_compressed: bool = True  # copy the compressed tile to shared memory (async) before dequantizing it;
+    # False dequantizes straight from global memory (saves shared memory: gfx942 has 64 KiB of LDS)
+    fp8_dtype: str = "float8_e4m3fn"  # "float8_e4m3fnuz" on gfx942
+
+    def __post_init__(self):
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
+        if self.q_format not in Q_FORMATS:
+            raise ValueError(f"q_format must be one of {Q_FORMATS}, got {self.q_format!r}")
+        if self.num_heads % self.block_h:
+            raise ValueError(f"block_h={self.block_h} must divide num_heads={self.num_heads}")
+
+    @property
+    def block_m(self) -> int:
+        return self.q_tile * self.block_h
+
+    @property
+    def shared_bytes(self) -> int:
+        """Shared memory (LDS) the kernel allocates, in bytes."""
+        kv_cols, kv_dtype = _kv_storage(self)
+        staged = self.kv_format != "bf16" and self.stage_compressed
+        raw = self.block_n * kv_cols if staged else 0  # compressed formats are 1 byte per stored element
+        scales = self.block_n * MXFP4_SCALES_PER_TOKEN * 4 if self.kv_format == "mxfp4" else 0
+        return 2 * QK_DIM * (self.block_m + self.block_n) + raw + scales + 2 * self.block_m * self.block_n
+
+    @property
+    def name(self) -> str:
+        """Readable variant name, unique per config."""
+        fp8 = "fnuz" if self.fp8_dtype.endswith("fnuz") else "fn"
+        return (
+            f"mla_decode_{'split' if self.split else 'direct'}_kv{self.kv_format}_q{self.q_format}"
+            f"_h{self.num_heads}_bh{self.block_h}_qt{self.q_tile}_bn{self.block_n}_st{self.num_stages}"
+            f"_t{self.threads}{'_causal' if self.causal else ''}{'' if self.stage_compressed else '_nostage'}_{fp8}"
+        )
+
+
+def _kv_storage(cfg: DecodeKernelConfig) -> tuple[int, str]:
+    """(elements per KV row in memory, storage dtype) for a format."""
+    if cfg.kv_format == "bf16":
+        return QK_DIM, "bfloat16"
+    if cfg.kv_format == "fp8":
+        return QK_DIM, cfg.fp8_dtype
+    return QK_DIM // 2, "uint8"  # two e2m1 codes per byte
+
+
+def mla_decode_kernel(cfg: DecodeKernelConfig):
+    """Returns the prim_func of the decode kernel for ``cfg``.
+
+    Arguments of the prim_func (shapes in elements; all dynamic dims are symbolic):
+      Q             (total_q, num_heads, 576)  bf16, or fp8 codes when q_format == "fp8"
+      KV            (total_kv, 576) bf16 | (total_kv, 576) fp8 | (total_kv, 288) uint8 (mxfp4 pairs)
+      KV_scales     (scale_len,) uint8   mxfp4 e8m0 scales, flat; row t starts at t * scale_stride
+      scale_stride  int32                 row stride of the mxfp4 scales (>= 18)
+      Q_scale       (1,) fp32             per-tensor Q scale (1 unless q_format == "fp8")
+      KV_scale      (1,) fp32             per-tensor KV scale (1 unless kv_format == "fp8")
+      qo_indptr     (batch + 1,) int32
+      kv_indptr     (batch + 1,) int32
+      sm_scale      fp32                  softmax scale applied to Q K^T
+      split=True:  O_partial (num_splits, total_q, num_heads, 512) fp32,
+                   LSE_partial (num_splits, total_q, num_heads) fp32 (base 2; -inf for an empty split)
+      split=False: Out (total_q, num_heads, 512) bf16, LSE (total_q, num_heads) fp32 (natural log)
+    """
+    heads = cfg.num_heads
+    block_h, block_n, block_m, q_tile = cfg.block_h, cfg.block_n, cfg.block_m, cfg.q_tile
+    head_groups = heads // block_h
+    kv_cols, kv_dtype = _kv_storage(cfg)
+    q_dtype = "bfloat16" if cfg.q_format == "bf16" else cfg.fp8_dtype
+    compute_dtype = "bfloat16"
+    accum_dtype = "float32"
+    ln2 = 0.6931471805599453
+
+    total_q = T.dynamic("total_q")
+    total_kv = T.dynamic("total_kv")
+    indptr_len = T.dynamic("indptr_len")
+    scale_len = T.dynamic("scale_len")
+    num_splits = T.dynamic("num_splits") if cfg.split else 1
+    staged = cfg.kv_format != "bf16" and cfg.stage_compressed
+
+    def compressed(src, kv_begin, tile_lo, split_hi, i, c):
+        """Element c of compressed row i of the current tile: from the staged shared copy, or from global memory
+        (rows past the split end repeat its last token, as in the staged copy)."""
+        if staged:
+            return src[i, c]
+        return src[kv_begin + T.min(tile_lo + i, split_hi - 1), c]
+
+    @T.macro
+    def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, sm_scale, Out, LSE):
+        with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
+            Q_shared = T.alloc_shared([block_m, KV_LORA_RANK], compute_dtype)
+            Qpe_shared = T.alloc_shared([block_m, ROPE_DIM], compute_dtype)
+            KV_shared = T.alloc_shared([block_n, KV_LORA_RANK], compute_dtype)
+            Kpe_shared = T.alloc_shared([block_n, ROPE_DIM], compute_dtype)
+            if staged:
+                KV_raw = T.alloc_shared([block_n, kv_cols], kv_dtype)
+            else:
+                KV_raw = KV  # not staged: compressed() reads global memory
+            if cfg.kv_format == "mxfp4":
+                Block_scale = T.alloc_shared([block_n, MXFP4_SCALES_PER_TOKEN], accum_dtype)
+            P_shared = T.alloc_shared([block_m, block_n], compute_dtype)
+            acc_s = T.alloc_fragment([block_m, block_n], accum_dtype)
+            acc_o = T.alloc_fragment([block_m, KV_LORA_RANK], accum_dtype)
+            row_max = T.alloc_fragment([block_m], accum_dtype)
+            row_max_prev = T.alloc_fragment([block_m], accum_dtype)
+            row_max_safe = T.alloc_fragment([block_m], accum_dtype)
+            rescale = T.alloc_fragment([block_m], accum_dtype)
+            row_sum = T.alloc_fragment([block_m], accum_dtype)
+            denom = T.alloc_fragment([block_m], accum_dtype)
+
+            # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
+            kv_begin = T.alloc_var("int32", init=kv_indptr[seq_id])
+            kv_len = T.alloc_var("int32", init=kv_indptr[seq_id + 1] - kv_indptr[seq_id])
+            q_begin = T.alloc_var("int32", init=qo_indptr[seq_id])
+            q_len = T.alloc_var("int32", init=qo_indptr[seq_id + 1] - qo_indptr[seq_id])
+            # Split s of a sequence covers [s * chunk, (s + 1) * chunk) of its tokens, chunk a multiple of block_n.
+            chunk = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(kv_len, num_splits), block_n) * block_n)
+            split_lo = T.alloc_var("int32", init=split_id * chunk)
+            split_hi = T.alloc_var("int32", init=T.min(split_lo + chunk, kv_len))
+            num_tiles = T.alloc_var("int32", init=T.ceildiv(T.max(split_hi - split_lo, 0), block_n))
+            # Scores are scaled once, in base 2; fp8 per-tensor scales of Q and K fold in here.
+            score_scale = T.alloc_var(accum_dtype, init=sm_scale * LOG2E * Q_scale[0] * KV_scale[0])
+            out_scale = T.alloc_var(accum_dtype, init=KV_scale[0])
+
+            for q_pass in T.serial(T.ceildiv(q_len, q_tile)):
+                # Stage 1: Q rows (row r = query q_pass*q_tile + r // block_h, head hg*block_h + r % block_h).
+                for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                    qi = q_pass * q_tile + r // block_h
+                    Q_shared[r, d] = T.if_then_else(
+                        qi < q_len,
+                        T.cast(Q[q_begin + T.min(qi, q_len - 1), hg * block_h + r % block_h, d], compute_dtype),
+                        T.cast(0, compute_dtype),
+                    )
+                for r, d in T.Parallel(block_m, ROPE_DIM):
+                    qi = q_pass * q_tile + r // block_h
+                    Qpe_shared[r, d] = T.if_then_else(
+                        qi < q_len,
+                        T.cast(Q[q_begin + T.min(qi, q_len - 1), hg * block_h + r % block_h, KV_LORA_RANK + d], compute_dtype),
+                        T.cast(0, compute_dtype),
+                    )
+                T.fill(acc_o, 0)
+                T.fill(denom, 0)
+                T.fill(row_max, -T.infinity(accum_dtype))
+
+                for t in T.Pipelined(num_tiles, num_stages=cfg.num_stages):
+                    tile_lo = split_lo + t * block_n
+                    # Stage 2: the KV tile. Rows past the split end repeat its last token (finite data, so P V
+                    # stays finite); their scores are masked to -inf below.
+                    if cfg.kv_format == "bf16":
+                        for i, d in T.Parallel(block_n, KV_LORA_RANK):
+                            KV_shared[i, d] = KV[kv_begin + T.min(tile_lo + i, split_hi - 1), d]
+                        for i, d in T.Parallel(block_n, ROPE_DIM):
+                            Kpe_shared[i, d] = KV[kv_begin + T.min(tile_lo + i, split_hi - 1), KV_LORA_RANK + d]
+                    elif staged:
+                        for i, c in T.Parallel(block_n, kv_cols):
+                            KV_raw[i, c] = KV[kv_begin + T.min(tile_lo + i, split_hi - 1), c]
+                    if cfg.kv_format == "fp8":
+                        # fp8 -> bf16 is exact; the per-tensor scale is applied to scores and output instead.
+                        for i, d in T.Parallel(block_n, KV_LORA_RANK):
+                            KV_shared[i, d] = T.cast(compressed(KV_raw, kv_begin, tile_lo, split_hi, i, d), compute_dtype)
+                        for i, d in T.Parallel(block_n, ROPE_DIM):
+                            Kpe_shared[i, d] = T.cast(compressed(KV_raw, kv_begin, tile_lo, split_hi, i, KV_LORA_RANK + d), compute_dtype)
+                    if cfg.kv_format == "mxfp4":
+                        # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127).
+                        for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
+                            e = T.cast(KV_scales[(kv_begin + T.min(tile_lo + i, split_hi - 1)) * scale_stride + b], "int32")
+                            Block_scale[i, b] = T.if_then_else(
+                                e == 0, T.float32(5.877471754111438e-39), T.reinterpret(T.shift_left(e, 23), "float32")
+                            )
+                        # e2m1 code (sign, 2-bit exponent E, 1-bit mantissa M): E == 0 -> M / 2, else 2^(E-1) (1 + M/2).
+                        # Code * power-of-two scale is exact in bf16.
+                        for i, d in T.Parallel(block_n, QK_DIM):
+                            code = T.shift_right(T.cast(compressed(KV_raw, kv_begin, tile_lo, split_hi, i, d // 2), "int32"), (d % 2) * 4) & 15
+                            exponent = T.shift_right(code, 1) & 3
+                            mantissa = T.cast(code & 1, accum_dtype)
+                            magnitude = T.if_then_else(
+                                exponent == 0,
+                                mantissa * 0.5,
+                                (mantissa * 0.5 + 1.0) * T.cast(T.shift_left(1, exponent - 1), accum_dtype),
+                            )
+                            value = T.if_then_else(code >= 8, -magnitude, magnitude) * Block_scale[i, d // MXFP4_BLOCK]
+                            if d < KV_LORA_RANK:
+                                KV_shared[i, d] = T.cast(value, compute_dtype)
+                            else:
+                                Kpe_shared[i, d - KV_LORA_RANK] = T.cast(value, compute_dtype)
+
+                    # Stage 3: S = Q K^T over the 512 latent + 64 rope dims.
+                    T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                    T.gemm(Qpe_shared, Kpe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                    for r, j in T.Parallel(block_m, block_n):
+                        qi = q_pass * q_tile + r // block_h
+                        horizon = split_hi
+                        if cfg.causal:
+                            # query qi of q_len sees positions [0, kv_len - q_len + qi]
+                            horizon = T.min(split_hi, kv_len - q_len + qi + 1)
+                        acc_s[r, j] = T.if_then_else(tile_lo + j < horizon, acc_s[r, j] * score_scale, -T.infinity(accum_dtype))
+
+                    # Stage 4: online softmax (base 2). A row with no visible token yet keeps max -inf; the safe
+                    # max (0) keeps exp2 away from (-inf) - (-inf).
+                    T.copy(row_max, row_max_prev)
+                    T.reduce_max(acc_s, row_max, dim=1, clear=False)
+                    for r in T.Parallel(block_m):
+                        row_max_safe[r] = T.if_then_else(row_max[r] == -T.infinity(accum_dtype), 0, row_max[r])
+                        rescale[r] = T.exp2(row_max_prev[r] - row_max_safe[r])
+                    for r, j in T.Parallel(block_m, block_n):
+                        acc_s[r, j] = T.exp2(acc_s[r, j] - row_max_safe[r])
+                    T.reduce_sum(acc_s, row_sum, dim=1)
+                    for r in T.Parallel(block_m):
+                        denom[r] = denom[r] * rescale[r] + row_sum[r]
+                    for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                        acc_o[r, d] *= rescale[r]
+                    T.copy(acc_s, P_shared)
+
+                    # Stage 5: O += P V.
+                    T.gemm(P_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
+
+                # Stage 6: normalise and write. denom == 0 means nothing was visible: output 0, LSE -inf.
+                for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                    qi = q_pass * q_tile + r // block_h
+                    if qi < q_len:
+                        value = T.if_then_else(denom[r] > 0, acc_o[r, d] * out_scale / denom[r], 0)
+                        if cfg.split:
+                            Out[split_id, q_begin + qi, hg * block_h + r % block_h, d] = value
+                        else:
+                            Out[q_begin + qi, hg * block_h + r % block_h, d] = T.cast(value, "bfloat16")
+                for r in T.Parallel(block_m):
+                    qi = q_pass * q_tile + r // block_h
+                    if qi < q_len:
+                        lse2 = T.if_then_else(denom[r] > 0, T.log2(denom[r]) + row_max[r], -T.infinity(accum_dtype))
+                        if cfg.split:
+                            LSE[split_id, q_begin + qi, hg * block_h + r % block_h] = lse2
+                        else:
+                            LSE[q_begin + qi, hg * block_h + r % block_h] = lse2 * ln2
+
+    if cfg.split:
+
+        @T.prim_func
+        def mla_decode_split(
+            Q: T.Tensor([total_q, heads, QK_DIM], q_dtype),
+            KV: T.Tensor([total_kv, kv_cols], kv_dtype),
+            KV_scales: T.Tensor([scale_len], "uint8"),
+            scale_stride: T.int32,
+            Q_scale: T.Tensor([1], accum_dtype),
+            KV_scale: T.Tensor([1], accum_dtype),
+            qo_indptr: T.Tensor([indptr_len], "int32"),
+            kv_indptr: T.Tensor([indptr_len], "int32"),
+            sm_scale: T.float32,
+            O_partial: T.Tensor([num_splits, total_q, heads, KV_LORA_RANK], accum_dtype),
+            LSE_partial: T.Tensor([num_splits, total_q, heads], accum_dtype),
+        ):
+            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, sm_scale, O_partial, LSE_partial)
+
+        return mla_decode_split
+
+    @T.prim_func
+    def mla_decode_direct(
+        Q: T.Tensor([total_q, heads, QK_DIM], q_dtype),
+        KV: T.Tensor([total_kv, kv_cols], kv_dtype),
+        KV_scales: T.Tensor([scale_len], "uint8"),
+        scale_stride: T.int32,
+        Q_scale: T.Tensor([1], accum_dtype),
+        KV_scale: T.Tensor([1], accum_dtype),
+        qo_indptr: T.Tensor([indptr_len], "int32"),
+        kv_indptr: T.Tensor([indptr_len], "int32"),
+        sm_scale: T.float32,
+        Out: T.Tensor([total_q, heads, KV_LORA_RANK], "bfloat16"),
+        LSE: T.Tensor([total_q, heads], accum_dtype),
+    ):
+        decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, sm_scale, Out, LSE)
+
+    return mla_decode_direct
+
+
+def compile_kernel(prim_func, target: dict):
+    """Compiles a prim_func for ``target`` through TileLang's disk cache (TILELANG_CACHE_DIR)."""
+    return tilelang.compile(prim_func, target=target)
