@@ -48,6 +48,7 @@ def mla_decode(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     return_lse: bool = False,
+    config_overrides: dict | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Multi-head latent attention, decode phase, over a ragged batch.
 
@@ -66,8 +67,8 @@ def mla_decode(
       kv_scale: (1,) float32 per-tensor scale of an fp8 cache.
       kv_block_scale: (total_kv, >= 18) uint8 (or float8_e8m0fnu) e8m0 scales of an mxfp4 cache, one per 32
         elements; only the first 18 columns are read, so rows padded to 24 (or any row stride) work.
-      q_format: "fp8" quantizes bf16 Q to fp8 with one per-tensor scale on the device (a8w8), like the
-        competition's reference; the kernel then reads fp8 Q codes.
+      q_format: "fp8" quantizes bf16 Q to fp8 with one per-tensor scale (a8w8), bit-exact with the competition's
+        reference quantizer: amax(|q|) is one reduction on the device, the rounding happens inside the kernel.
       q_scale: (1,) float32, only with Q given as fp8 codes.
       sm_scale: softmax scale; default 1/sqrt(576).
       causal: query i of a sequence with n queries and L tokens sees KV positions [0, L - n + i] (MTP); without
@@ -75,6 +76,8 @@ def mla_decode(
       num_splits: KV splits per sequence (default: ``schedule.choose_num_splits``); 1 runs no combine kernel.
       out: optional (total_q, H, 512) bf16 output buffer. lse: optional (total_q, H) float32 buffer.
       return_lse: also return the log-sum-exp of the scaled scores, natural log, -inf where nothing is visible.
+      config_overrides: for tuning only: ``DecodeKernelConfig`` fields (block_n, threads, stage_compressed, ...)
+        that replace the schedule's choice.
 
     Returns ``out`` (total_q, H, 512) bf16, or ``(out, lse)`` when ``return_lse``. A sequence with no KV
     tokens gets zeros. No host-device synchronisation: the call can be captured in a CUDA graph.
@@ -107,22 +110,21 @@ def mla_decode(
     elif kv_block_scale is not None:
         raise ValueError(f"kv_block_scale is only for an mxfp4 cache; this cache is {kv_format}")
 
-    # Q: bf16, or fp8 codes + per-tensor scale (given, or quantized here on the device).
+    # Q: bf16; fp8 codes + their per-tensor scale; or bf16 quantized to fp8 inside the kernel (a8w8), from
+    # amax(|q|) computed here on the device in one reduction (no host sync).
     if q.dtype in _FP8_DTYPES:
         if q.dtype != spec.fp8_torch_dtype:
-            raise ValueError(f"q: {q.dtype} is not this target's fp8 flavour ({spec.name} reads {spec.fp8_torch_dtype})")
-        q_scale_t, q_codes, q_format = _check_scale("q_scale", q_scale, device), q, "fp8"
+            raise TypeError(f"q: {q.dtype} is not this target's fp8 flavour ({spec.name} reads {spec.fp8_torch_dtype})")
+        q_scale_t, kernel_q_format = _check_scale("q_scale", q_scale, device), "fp8_codes"
+    elif q_scale is not None:
+        raise ValueError("q_scale: pass it only with q given as fp8 codes; bf16 q is quantized inside the kernel")
     elif q_format == "fp8":
-        if q_scale is not None:
-            raise ValueError("q_scale: pass it only with q given as fp8 codes; bf16 q is quantized here")
-        q_codes, q_scale_t = formats.quantize_fp8(q, spec.fp8_torch_dtype)
+        q_scale_t, kernel_q_format = torch.linalg.vector_norm(q, ord=math.inf, dtype=torch.float32).reshape(1), "fp8"
     elif q_format == "bf16":
-        if q_scale is not None:
-            raise ValueError("q_scale: only meaningful with fp8 q")
-        q_codes, q_scale_t = q, _unit_scale(device)
+        q_scale_t, kernel_q_format = _unit_scale(device), "bf16"
     else:
         raise ValueError(f"q_format must be 'bf16' or 'fp8', got {q_format!r}")
-    if not q_codes.is_contiguous():
+    if not q.is_contiguous():
         raise ValueError(f"q: expected a contiguous tensor, got strides {q.stride()}")
 
     sm_scale = DEFAULT_SM_SCALE if sm_scale is None else float(sm_scale)
@@ -134,9 +136,8 @@ def mla_decode(
 
     # Kernel choice: query tokens per CTA from the mean query length (queries beyond it take extra passes).
     q_tile = 1 if total_q <= batch else (2 if total_q <= 2 * batch else 4)
-    split_cfg = schedule.decode_config(
-        spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal, split=True
-    )
+    problem = dict(kv_format=kv_format, q_format=kernel_q_format, num_heads=num_heads, q_tile=q_tile, causal=causal)
+    split_cfg = schedule.decode_config(spec, split=True, **problem, **(config_overrides or {}))
     if num_splits is None:
         num_splits = schedule.choose_num_splits(
             batch=batch,
@@ -149,11 +150,9 @@ def mla_decode(
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
 
-    args = (q_codes, kv_rows, block_scales, scale_stride, q_scale_t, kv_scale_t, qo_indptr, kv_indptr, sm_scale)
+    args = (q, kv_rows, block_scales, scale_stride, q_scale_t, kv_scale_t, qo_indptr, kv_indptr, sm_scale)
     if num_splits == 1:
-        direct_cfg = schedule.decode_config(
-            spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal, split=False
-        )
+        direct_cfg = schedule.decode_config(spec, split=False, **problem, **(config_overrides or {}))
         jit.get_kernel(direct_cfg, spec)(*args, out, lse)
     else:
         o_partial = torch.empty((num_splits, total_q, num_heads, KV_LORA_RANK), dtype=torch.float32, device=device)

@@ -3,6 +3,7 @@ no host-device sync), so they are cheap, CUDA-graph safe and testable on the CPU
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from mla.target import TargetSpec
@@ -25,8 +26,10 @@ def decode_config(
     q_tile: int = 1,
     causal: bool = False,
     split: bool = True,
+    **overrides,
 ) -> DecodeKernelConfig:
-    """The decode kernel config for a target and a problem class (not a problem size)."""
+    """The decode kernel config for a target and a problem class (not a problem size). ``overrides``
+    (DecodeKernelConfig fields) replace the defaults: for tuning sweeps."""
     block_h = min(num_heads, max(16, 64 // q_tile))
     block_m = block_h * q_tile
     # 128 threads for 16 rows (4 warps on Hopper, 2 wave64s on gfx942: each still owns a whole 16-wide MMA tile
@@ -49,6 +52,7 @@ def decode_config(
             stage_compressed=not spec.is_hip,
             fp8_dtype=spec.fp8_tl_dtype,
         )
+        cfg = dataclasses.replace(cfg, **overrides)
         if cfg.shared_bytes <= spec.smem_bytes:
             return cfg
     raise ValueError(f"no decode config fits {spec.smem_bytes} B of shared memory on {spec.name}")

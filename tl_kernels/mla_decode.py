@@ -29,7 +29,11 @@ MXFP4_SCALES_PER_TOKEN = QK_DIM // MXFP4_BLOCK  # 18
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 
 KV_FORMATS = ("bf16", "fp8", "mxfp4")
-Q_FORMATS = ("bf16", "fp8")
+# Q precision: "bf16" as given; "fp8": bf16 Q quantized to fp8 inside the kernel with one per-tensor scale derived
+# from amax(|Q|) (a8w8, bit-exact with torch's per-tensor quantization); "fp8_codes": Q given as fp8 codes + scale.
+Q_FORMATS = ("bf16", "fp8", "fp8_codes")
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0}
+AMAX_FLOOR = 9.992007221626409e-13  # bf16(1e-12): torch's per-tensor quantizer clamps amax to 1e-12 in bf16
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class DecodeKernelConfig:
     """Everything that changes the generated code of the decode kernel."""
 
     kv_format: str  # "bf16" | "fp8" | "mxfp4"
-    q_format: str = "bf16"  # "bf16" | "fp8" (a8w8: Q arrives as fp8 codes with a per-tensor scale)
+    q_format: str = "bf16"  # see Q_FORMATS
     num_heads: int = 16  # query heads of the op (16..128)
     block_h: int = 16  # heads per CTA
     q_tile: int = 1  # query tokens per CTA pass (rows = q_tile * block_h)
@@ -95,11 +99,11 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
     """Returns the prim_func of the decode kernel for ``cfg``.
 
     Arguments of the prim_func (shapes in elements; all dynamic dims are symbolic):
-      Q             (total_q, num_heads, 576)  bf16, or fp8 codes when q_format == "fp8"
+      Q             (total_q, num_heads, 576)  bf16, or fp8 codes when q_format == "fp8_codes"
       KV            (total_kv, 576) bf16 | (total_kv, 576) fp8 | (total_kv, 288) uint8 (mxfp4 pairs)
       KV_scales     (scale_len,) uint8   mxfp4 e8m0 scales, flat; row t starts at t * scale_stride
       scale_stride  int32                 row stride of the mxfp4 scales (>= 18)
-      Q_scale       (1,) fp32             per-tensor Q scale (1 unless q_format == "fp8")
+      Q_scale       (1,) fp32             "fp8_codes": the per-tensor Q scale; "fp8": amax(|Q|); "bf16": 1
       KV_scale      (1,) fp32             per-tensor KV scale (1 unless kv_format == "fp8")
       qo_indptr     (batch + 1,) int32
       kv_indptr     (batch + 1,) int32
@@ -112,7 +116,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
     block_h, block_n, block_m, q_tile = cfg.block_h, cfg.block_n, cfg.block_m, cfg.q_tile
     head_groups = heads // block_h
     kv_cols, kv_dtype = _kv_storage(cfg)
-    q_dtype = "bfloat16" if cfg.q_format == "bf16" else cfg.fp8_dtype
+    q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
+    fp8_max = FP8_MAX[cfg.fp8_dtype]
     compute_dtype = "bfloat16"
     accum_dtype = "float32"
     ln2 = 0.6931471805599453
@@ -123,6 +128,25 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
     scale_len = T.dynamic("scale_len")
     num_splits = T.dynamic("num_splits") if cfg.split else 1
     staged = cfg.kv_format != "bf16" and cfg.stage_compressed
+
+    def q_element(Q, q_begin, q_len, q_scale, q_pass, hg, r, d):
+        """Q row r (query q_pass*q_tile + r // block_h, head hg*block_h + r % block_h), dim d, as bf16; 0 past the
+        sequence's queries. a8w8 rounds it to fp8 exactly as torch does: bf16(q / scale), clamped, to e4m3."""
+        qi = q_pass * q_tile + r // block_h
+        value = Q[q_begin + T.min(qi, q_len - 1), hg * block_h + r % block_h, d]
+        if cfg.q_format == "fp8":
+            scaled = T.cast(T.cast(T.cast(value, accum_dtype) / q_scale, compute_dtype), accum_dtype)
+            value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
+        return T.if_then_else(qi < q_len, T.cast(value, compute_dtype), T.cast(0, compute_dtype))
+
+    def mxfp4_element(src, kv_begin, tile_lo, split_hi, Block_scale, i, d):
+        """Element d of mxfp4 row i as fp32. The e2m1 code's 3 magnitude bits placed at fp16 bits 11..9 form an
+        fp16 of value code * 2^-14 (denormal for the e2m1 subnormals, exact after conversion to fp32)."""
+        byte = T.cast(compressed(src, kv_begin, tile_lo, split_hi, i, d // 2), "int32")
+        code = T.shift_right(byte, (d % 2) * 4) & 15  # low nibble = even element
+        half_bits = T.shift_left(code & 8, 12) | T.shift_left(code & 7, 9)
+        magnitude = T.cast(T.reinterpret(T.cast(half_bits, "uint16"), "float16"), accum_dtype)
+        return magnitude * 16384.0 * Block_scale[i, d // MXFP4_BLOCK]  # 16384 = 2^14
 
     def compressed(src, kv_begin, tile_lo, split_hi, i, c):
         """Element c of compressed row i of the current tile: from the staged shared copy, or from global memory
@@ -164,26 +188,23 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             split_lo = T.alloc_var("int32", init=split_id * chunk)
             split_hi = T.alloc_var("int32", init=T.min(split_lo + chunk, kv_len))
             num_tiles = T.alloc_var("int32", init=T.ceildiv(T.max(split_hi - split_lo, 0), block_n))
+            # a8w8: the per-tensor Q scale from amax, rounded to bf16 as torch computes it (amax / fp8_max in bf16).
+            q_scale = T.alloc_var(
+                accum_dtype,
+                init=T.cast(T.cast(T.max(Q_scale[0], AMAX_FLOOR) / fp8_max, "bfloat16"), accum_dtype)
+                if cfg.q_format == "fp8"
+                else Q_scale[0],
+            )
             # Scores are scaled once, in base 2; fp8 per-tensor scales of Q and K fold in here.
-            score_scale = T.alloc_var(accum_dtype, init=sm_scale * LOG2E * Q_scale[0] * KV_scale[0])
+            score_scale = T.alloc_var(accum_dtype, init=sm_scale * LOG2E * q_scale * KV_scale[0])
             out_scale = T.alloc_var(accum_dtype, init=KV_scale[0])
 
             for q_pass in T.serial(T.ceildiv(q_len, q_tile)):
                 # Stage 1: Q rows (row r = query q_pass*q_tile + r // block_h, head hg*block_h + r % block_h).
                 for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                    qi = q_pass * q_tile + r // block_h
-                    Q_shared[r, d] = T.if_then_else(
-                        qi < q_len,
-                        T.cast(Q[q_begin + T.min(qi, q_len - 1), hg * block_h + r % block_h, d], compute_dtype),
-                        T.cast(0, compute_dtype),
-                    )
+                    Q_shared[r, d] = q_element(Q, q_begin, q_len, q_scale, q_pass, hg, r, d)
                 for r, d in T.Parallel(block_m, ROPE_DIM):
-                    qi = q_pass * q_tile + r // block_h
-                    Qpe_shared[r, d] = T.if_then_else(
-                        qi < q_len,
-                        T.cast(Q[q_begin + T.min(qi, q_len - 1), hg * block_h + r % block_h, KV_LORA_RANK + d], compute_dtype),
-                        T.cast(0, compute_dtype),
-                    )
+                    Qpe_shared[r, d] = q_element(Q, q_begin, q_len, q_scale, q_pass, hg, r, KV_LORA_RANK + d)
                 T.fill(acc_o, 0)
                 T.fill(denom, 0)
                 T.fill(row_max, -T.infinity(accum_dtype))
@@ -207,28 +228,25 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                         for i, d in T.Parallel(block_n, ROPE_DIM):
                             Kpe_shared[i, d] = T.cast(compressed(KV_raw, kv_begin, tile_lo, split_hi, i, KV_LORA_RANK + d), compute_dtype)
                     if cfg.kv_format == "mxfp4":
-                        # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127).
+                        # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127; 255 is NaN).
                         for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
                             e = T.cast(KV_scales[(kv_begin + T.min(tile_lo + i, split_hi - 1)) * scale_stride + b], "int32")
                             Block_scale[i, b] = T.if_then_else(
-                                e == 0, T.float32(5.877471754111438e-39), T.reinterpret(T.shift_left(e, 23), "float32")
+                                e == 0,
+                                T.float32(5.877471754111438e-39),
+                                T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.shift_left(e, 23)), "float32"),
                             )
-                        # e2m1 code (sign, 2-bit exponent E, 1-bit mantissa M): E == 0 -> M / 2, else 2^(E-1) (1 + M/2).
-                        # Code * power-of-two scale is exact in bf16.
-                        for i, d in T.Parallel(block_n, QK_DIM):
-                            code = T.shift_right(T.cast(compressed(KV_raw, kv_begin, tile_lo, split_hi, i, d // 2), "int32"), (d % 2) * 4) & 15
-                            exponent = T.shift_right(code, 1) & 3
-                            mantissa = T.cast(code & 1, accum_dtype)
-                            magnitude = T.if_then_else(
-                                exponent == 0,
-                                mantissa * 0.5,
-                                (mantissa * 0.5 + 1.0) * T.cast(T.shift_left(1, exponent - 1), accum_dtype),
+                        # Values = e2m1 code * power-of-two scale: exact in bf16. Latent and rope parts are separate
+                        # loops (one conditional store per element defeats TileLang's vectorizer).
+                        for i, d in T.Parallel(block_n, KV_LORA_RANK):
+                            KV_shared[i, d] = T.cast(
+                                mxfp4_element(KV_raw, kv_begin, tile_lo, split_hi, Block_scale, i, d), compute_dtype
                             )
-                            value = T.if_then_else(code >= 8, -magnitude, magnitude) * Block_scale[i, d // MXFP4_BLOCK]
-                            if d < KV_LORA_RANK:
-                                KV_shared[i, d] = T.cast(value, compute_dtype)
-                            else:
-                                Kpe_shared[i, d - KV_LORA_RANK] = T.cast(value, compute_dtype)
+                        for i, d in T.Parallel(block_n, ROPE_DIM):
+                            Kpe_shared[i, d] = T.cast(
+                                mxfp4_element(KV_raw, kv_begin, tile_lo, split_hi, Block_scale, i, KV_LORA_RANK + d),
+                                compute_dtype,
+                            )
 
                     # Stage 3: S = Q K^T over the 512 latent + 64 rope dims.
                     T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
