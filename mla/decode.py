@@ -24,6 +24,7 @@ from tl_kernels.mla_decode import KV_LORA_RANK, MXFP4_SCALES_PER_TOKEN, QK_DIM
 
 DEFAULT_SM_SCALE = 1.0 / math.sqrt(QK_DIM)
 SUPPORTED_HEADS = (16, 32, 64, 128)
+SUPPORTED_PAGE_SIZES = (1, 16, 32, 64, 128)
 KVFormat = Literal["bf16", "fp8", "mxfp4"]
 QFormat = Literal["bf16", "fp8"]
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -44,11 +45,13 @@ def mla_decode(
     q_scale: torch.Tensor | None = None,
     sm_scale: float | None = None,
     causal: bool = False,
+    page_table: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     return_lse: bool = False,
     config_overrides: dict | None = None,
+    check_inputs: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Multi-head latent attention, decode phase, over a ragged batch.
 
@@ -73,9 +76,15 @@ def mla_decode(
       sm_scale: softmax scale; default 1/sqrt(576).
       causal: query i of a sequence with n queries and L tokens sees KV positions [0, L - n + i] (MTP); without
         it every query sees all L tokens.
+      page_table: (batch, max_pages) int32, for a paged cache: token p of sequence b is slot p % page_size of page
+        ``page_table[b, p // page_size]`` of a cache shaped (num_pages, page_size, 1, row) (a flat 3-D cache counts
+        as page_size 1); mxfp4 scales are then (num_pages * page_size, >= 18) or (num_pages, page_size, >= 18).
+        ``kv_indptr`` still gives each sequence's length (kv_indptr[b+1] - kv_indptr[b]).
       num_splits: KV splits per sequence (default: ``schedule.choose_num_splits``); 1 runs no combine kernel.
       out: optional (total_q, H, 512) bf16 output buffer. lse: optional (total_q, H) float32 buffer.
       return_lse: also return the log-sum-exp of the scaled scores, natural log, -inf where nothing is visible.
+      check_inputs: check index values on the host (monotonic indptrs, ranges, page numbers): a device-to-host
+        copy, so off by default and never inside CUDA-graph capture. Out-of-range values are otherwise not detected.
       config_overrides: for tuning only: ``DecodeKernelConfig`` fields (block_n, threads, stage_compressed, ...)
         that replace the schedule's choice.
 
@@ -97,7 +106,7 @@ def mla_decode(
             f"qo_indptr and kv_indptr must both be (batch + 1,), got {tuple(qo_indptr.shape)} and {tuple(kv_indptr.shape)}"
         )
     kv_format = _infer_kv_format(kv_cache, kv_format)
-    kv_rows = _check_kv(kv_cache, kv_format, device, spec)
+    kv_rows, page_size = _check_kv(kv_cache, kv_format, device, spec, paged=page_table is not None)
     total_kv = kv_rows.shape[0]
     kv_scale_t = _unit_scale(device)
     block_scales, scale_stride = _no_block_scales(device), MXFP4_SCALES_PER_TOKEN
@@ -131,13 +140,41 @@ def mla_decode(
     out = _out_buffer("out", out, (total_q, num_heads, KV_LORA_RANK), torch.bfloat16, device)
     lse = _out_buffer("lse", lse, (total_q, num_heads), torch.float32, device)
     batch = qo_indptr.shape[0] - 1
+    if page_table is not None:
+        _check_page_table(page_table, batch, device)
+    if check_inputs:
+        validate_index_values(qo_indptr, kv_indptr, total_kv, total_q, page_table, page_size)
     if total_q == 0 or batch == 0:
         return (out, lse) if return_lse else out
 
-    # Kernel choice: query tokens per CTA from the mean query length (queries beyond it take extra passes).
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    overrides = tuple(sorted(config_overrides.items())) if config_overrides else ()
+    decode, combine, num_splits = _plan(
+        spec, kv_format, kernel_q_format, num_heads, causal, page_size, batch, total_q, total_kv, num_splits, overrides
+    )
+    paging = (page_table,) if page_size else ()
+    args = (q, kv_rows, block_scales, scale_stride, q_scale_t, kv_scale_t, qo_indptr, kv_indptr, *paging, sm_scale)
+    if combine is None:
+        decode(*args, out, lse)
+    else:
+        o_partial = torch.empty((num_splits, total_q, num_heads, KV_LORA_RANK), dtype=torch.float32, device=device)
+        lse_partial = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=device)
+        decode(*args, o_partial, lse_partial)
+        combine(o_partial, lse_partial, out, lse)
+    return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_q, total_kv, num_splits, overrides):
+    """(decode launcher, combine launcher or None, num_splits) for a problem; cached, since serving calls repeat
+    the same sizes and the schedule is a pure function of them."""
+    # Query tokens per CTA from the mean query length (queries beyond it take extra passes).
     q_tile = 1 if total_q <= batch else (2 if total_q <= 2 * batch else 4)
-    problem = dict(kv_format=kv_format, q_format=kernel_q_format, num_heads=num_heads, q_tile=q_tile, causal=causal)
-    split_cfg = schedule.decode_config(spec, split=True, **problem, **(config_overrides or {}))
+    problem = dict(
+        kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal, page_size=page_size
+    )
+    split_cfg = schedule.decode_config(spec, split=True, **problem, **dict(overrides))
     if num_splits is None:
         num_splits = schedule.choose_num_splits(
             batch=batch,
@@ -147,19 +184,11 @@ def mla_decode(
             block_n=split_cfg.block_n,
             head_groups=num_heads // split_cfg.block_h,
         )
-    elif not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-
-    args = (q, kv_rows, block_scales, scale_stride, q_scale_t, kv_scale_t, qo_indptr, kv_indptr, sm_scale)
     if num_splits == 1:
-        direct_cfg = schedule.decode_config(spec, split=False, **problem, **(config_overrides or {}))
-        jit.get_kernel(direct_cfg, spec)(*args, out, lse)
-    else:
-        o_partial = torch.empty((num_splits, total_q, num_heads, KV_LORA_RANK), dtype=torch.float32, device=device)
-        lse_partial = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=device)
-        jit.get_kernel(split_cfg, spec)(*args, o_partial, lse_partial)
-        jit.get_kernel(schedule.combine_config(spec, num_heads=num_heads), spec)(o_partial, lse_partial, out, lse)
-    return (out, lse) if return_lse else out
+        direct_cfg = schedule.decode_config(spec, split=False, **problem, **dict(overrides))
+        return jit.get_launcher(direct_cfg, spec), None, 1
+    combine_cfg = schedule.combine_config(spec, num_heads=num_heads)
+    return jit.get_launcher(split_cfg, spec), jit.get_launcher(combine_cfg, spec), num_splits
 
 
 def custom_kernel(data):
@@ -212,13 +241,26 @@ def _infer_kv_format(kv_cache, kv_format) -> str:
     return inferred
 
 
-def _check_kv(kv_cache: torch.Tensor, kv_format: str, device: torch.device, spec: TargetSpec) -> torch.Tensor:
-    """Returns the cache as (total_kv, row_elems) rows, a view (no copy)."""
+def _check_kv(kv_cache: torch.Tensor, kv_format: str, device: torch.device, spec: TargetSpec, paged: bool):
+    """Returns (the cache as rows (cache_rows, row_elems), a view; tokens per page (0 for a flat cache))."""
     row = QK_DIM // 2 if kv_format == "mxfp4" else QK_DIM
-    if kv_cache.dim() != 3 or kv_cache.shape[1] != 1 or kv_cache.shape[2] != row:
-        raise ValueError(f"kv_cache: expected shape (total_kv, 1, {row}) for {kv_format}, got {tuple(kv_cache.shape)}")
+    if paged and kv_cache.dim() == 4:
+        num_pages, page_size = kv_cache.shape[:2]
+        if kv_cache.shape[2] != 1 or kv_cache.shape[3] != row:
+            raise ValueError(
+                f"kv_cache: expected shape (num_pages, page_size, 1, {row}) for a paged {kv_format} cache, "
+                f"got {tuple(kv_cache.shape)}"
+            )
+        kv_cache = kv_cache.reshape(num_pages * page_size, 1, row) if kv_cache.is_contiguous() else kv_cache
+        if page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"kv_cache: page_size (dim 1) must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
+    else:
+        page_size = 1 if paged else 0  # a flat cache with a page table is paged with one token per page
+        if kv_cache.dim() != 3 or kv_cache.shape[1] != 1 or kv_cache.shape[2] != row:
+            want = f"(total_kv, 1, {row}) or, with page_table, (num_pages, page_size, 1, {row})"
+            raise ValueError(f"kv_cache: expected shape {want} for {kv_format}, got {tuple(kv_cache.shape)}")
     _check_same_device("kv_cache", kv_cache, device)
-    if kv_cache.stride(2) != 1 or kv_cache.stride(0) != row:
+    if kv_cache.dim() != 3 or kv_cache.stride(2) != 1 or kv_cache.stride(0) != row:
         raise ValueError(f"kv_cache: expected contiguous rows of {row} elements, got strides {kv_cache.stride()}")
     if kv_format == "fp8" and kv_cache.dtype != spec.fp8_torch_dtype:
         raise TypeError(
@@ -226,7 +268,40 @@ def _check_kv(kv_cache: torch.Tensor, kv_format: str, device: torch.device, spec
             "e4m3fn and e4m3fnuz codes differ, convert the cache instead of reinterpreting it"
         )
     rows = kv_cache.view(kv_cache.shape[0], row)
-    return formats.as_uint8(rows) if kv_format == "mxfp4" else rows
+    return (formats.as_uint8(rows) if kv_format == "mxfp4" else rows), page_size
+
+
+def _check_page_table(page_table, batch: int, device: torch.device) -> None:
+    _check_tensor("page_table", page_table, (torch.int32,), 2)
+    _check_same_device("page_table", page_table, device)
+    if page_table.shape[0] != batch:
+        raise ValueError(f"page_table: expected {batch} rows (one per sequence), got shape {tuple(page_table.shape)}")
+    if not page_table.is_contiguous():
+        raise ValueError("page_table: expected a contiguous tensor")
+
+
+def validate_index_values(qo_indptr, kv_indptr, cache_rows: int, total_q: int, page_table=None, page_size: int = 0) -> None:
+    """Host-side checks of index *values* (they need a device-to-host copy, so the op runs them only when asked:
+    ``mla_decode(..., check_inputs=True)``). Raises ValueError naming the argument."""
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    for name, ptr, limit in (("qo_indptr", qo, total_q), ("kv_indptr", kvp, None)):
+        if ptr[0] != 0 or any(b < a for a, b in zip(ptr, ptr[1:])):
+            raise ValueError(f"{name}: expected non-decreasing offsets starting at 0, got {ptr[:8]}...")
+        if limit is not None and ptr[-1] != limit:
+            raise ValueError(f"{name}: last offset {ptr[-1]} must equal the number of rows of q ({limit})")
+    if page_table is None:
+        if kvp[-1] > cache_rows:
+            raise ValueError(f"kv_indptr: last offset {kvp[-1]} exceeds the cache's {cache_rows} rows")
+        return
+    num_pages = cache_rows // page_size
+    table = page_table.tolist()
+    for b, (lo, hi) in enumerate(zip(kvp, kvp[1:])):
+        used = -(-(hi - lo) // page_size)
+        if used > len(table[b]):
+            raise ValueError(f"page_table: sequence {b} has {hi - lo} tokens, more than {len(table[b])} pages hold")
+        bad = [p for p in table[b][:used] if not 0 <= p < num_pages]
+        if bad:
+            raise ValueError(f"page_table: sequence {b} uses page {bad[0]}, outside [0, {num_pages})")
 
 
 def _check_scale(name: str, scale, device: torch.device) -> torch.Tensor:
@@ -246,7 +321,8 @@ def _flat_block_scales(scales, total_kv: int, device: torch.device) -> tuple[tor
     if not isinstance(scales, torch.Tensor) or scales.dtype not in _E8M0_DTYPES:
         got = scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__
         raise TypeError(f"kv_block_scale: expected uint8 or float8_e8m0fnu, got {got}")
-    scales = scales.reshape(scales.shape[0], -1) if scales.dim() == 3 and scales.shape[1] == 1 else scales
+    if scales.dim() == 3:  # (total_kv, 1, cols) or, paged, (num_pages, page_size, cols)
+        scales = scales.flatten(0, 1)
     if scales.dim() != 2 or scales.shape[0] != total_kv or scales.shape[1] < MXFP4_SCALES_PER_TOKEN:
         raise ValueError(
             f"kv_block_scale: expected shape (total_kv={total_kv}, >= {MXFP4_SCALES_PER_TOKEN}), got {tuple(scales.shape)}"

@@ -34,6 +34,17 @@ def get_kernel(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):
     return kernel
 
 
+@functools.lru_cache(maxsize=None)
+def get_launcher(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):
+    """The cheapest callable that launches ``cfg`` with all arguments given positionally (outputs included).
+
+    With TileLang's tvm-ffi backend this is the compiled executable itself, skipping the adapter's per-call
+    Python bookkeeping (it allocates nothing for us: every output is passed in)."""
+    kernel = get_kernel(cfg, spec)
+    executable = getattr(getattr(kernel, "adapter", None), "get_exportable_executable", None)
+    return executable() if executable is not None else kernel
+
+
 def lower(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):
     """Lower (no device compiler) for ``spec``; returns TileLang's artifact with ``.kernel_source``.
 
@@ -43,3 +54,15 @@ def lower(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):
 
     with tvm_target.Target(spec.target_dict):
         return tilelang.lower(prim_func(cfg), target=spec.target_dict)
+
+
+def lowered_lds_bytes(artifact) -> int:
+    """Dynamic shared memory (LDS) in bytes that a lowered kernel needs, as the compiler computed it: the
+    ``dyn_shared_memory_buf`` attribute of the artifact's device function(s) (the largest, if there are several;
+    0 when the kernel uses none). Lowering does not check it against the target's limit: callers must."""
+    sizes = [0]
+    for func in artifact.device_mod.functions.values():
+        attrs = func.attrs
+        if attrs is not None and "dyn_shared_memory_buf" in attrs:
+            sizes.append(int(attrs["dyn_shared_memory_buf"]))
+    return max(sizes)

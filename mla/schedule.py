@@ -26,6 +26,7 @@ def decode_config(
     q_tile: int = 1,
     causal: bool = False,
     split: bool = True,
+    page_size: int = 0,
     **overrides,
 ) -> DecodeKernelConfig:
     """The decode kernel config for a target and a problem class (not a problem size). ``overrides``
@@ -49,6 +50,7 @@ def decode_config(
             threads=threads,
             causal=causal,
             split=split,
+            page_size=page_size,
             stage_compressed=not spec.is_hip,
             fp8_dtype=spec.fp8_tl_dtype,
         )

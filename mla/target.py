@@ -7,6 +7,7 @@ block sizes that fit it.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -71,8 +72,12 @@ def spec_for_name(name: str, num_sms: int | None = None) -> TargetSpec:
 
 
 def spec_for_device(device: torch.device) -> TargetSpec:
-    """TargetSpec for a torch device, or for $MLA_TARGET when that is set."""
-    forced = os.environ.get(TARGET_ENV)
+    """TargetSpec for a torch device, or for $MLA_TARGET when that is set (cached: called on every op call)."""
+    return _spec_for_device(device, os.environ.get(TARGET_ENV))
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_for_device(device: torch.device, forced: str | None) -> TargetSpec:
     if forced:
         return spec_for_name(forced)
     if device.type != "cuda":

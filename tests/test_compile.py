@@ -14,6 +14,8 @@ H200 = spec_for_name("sm_90a")
 VARIANTS = schedule.kernel_variants(H200) + [
     # MTP / causal class: 2 query tokens per CTA pass.
     schedule.decode_config(H200, kv_format="bf16", q_tile=2, causal=True),
+    # Paged cache (16 tokens per page), compressed format.
+    schedule.decode_config(H200, kv_format="mxfp4", page_size=16),
 ]
 
 

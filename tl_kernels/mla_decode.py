@@ -18,7 +18,6 @@ lengths and the number of splits are dynamic, so a new shape never recompiles.
 
 from dataclasses import dataclass
 
-import tilelang
 import tilelang.language as T
 
 KV_LORA_RANK = 512  # latent dims: keys and values
@@ -46,10 +45,12 @@ class DecodeKernelConfig:
     block_h: int = 16  # heads per CTA
     q_tile: int = 1  # query tokens per CTA pass (rows = q_tile * block_h)
     block_n: int = 64  # KV tokens per tile
-    num_stages: int = 1  # software-pipeline depth of the KV loop (>= 2 hits a TileLang 0.1.15 codegen bug with per-CTA trip counts)
+    num_stages: int = 1  # software-pipeline depth of the KV loop
+    tiles_per_group: int = 1  # KV tiles per statically sized pipeline group (see the KV loop)
     threads: int = 128
     causal: bool = False
     split: bool = True  # True: write fp32 partials + LSE for the combine kernel; False: final output
+    page_size: int = 0  # 0: flat cache (sequence b owns rows kv_indptr[b]:kv_indptr[b+1]); else tokens per page
     stage_compressed: bool = True  # copy the compressed tile to shared memory (async) before dequantizing it;
     # False dequantizes straight from global memory (saves shared memory: gfx942 has 64 KiB of LDS)
     fp8_dtype: str = "float8_e4m3fn"  # "float8_e4m3fnuz" on gfx942
@@ -69,11 +70,16 @@ class DecodeKernelConfig:
     @property
     def shared_bytes(self) -> int:
         """Shared memory (LDS) the kernel allocates, in bytes."""
-        kv_cols, kv_dtype = _kv_storage(self)
-        staged = self.kv_format != "bf16" and self.stage_compressed
-        raw = self.block_n * kv_cols if staged else 0  # compressed formats are 1 byte per stored element
-        scales = self.block_n * MXFP4_SCALES_PER_TOKEN * 4 if self.kv_format == "mxfp4" else 0
-        return 2 * QK_DIM * (self.block_m + self.block_n) + raw + scales + 2 * self.block_m * self.block_n
+        kv_cols, _ = _kv_storage(self)
+        bf16_tile = 2 * QK_DIM * self.block_n
+        if self.kv_format == "bf16":
+            kv = bf16_tile * self.num_stages  # the pipeline multi-buffers the tile it copies into
+        else:
+            staged = self.block_n * kv_cols * self.num_stages if self.stage_compressed else 0  # 1 byte / element
+            kv = bf16_tile + staged
+        scales = self.block_n * MXFP4_SCALES_PER_TOKEN * 4 * self.num_stages if self.kv_format == "mxfp4" else 0
+        reduce_workspace = 3 * 1024  # row max / row sum scratch of the reductions
+        return 2 * QK_DIM * self.block_m + kv + scales + 2 * self.block_m * self.block_n + reduce_workspace
 
     @property
     def name(self) -> str:
@@ -82,7 +88,8 @@ class DecodeKernelConfig:
         return (
             f"mla_decode_{'split' if self.split else 'direct'}_kv{self.kv_format}_q{self.q_format}"
             f"_h{self.num_heads}_bh{self.block_h}_qt{self.q_tile}_bn{self.block_n}_st{self.num_stages}"
-            f"_t{self.threads}{'_causal' if self.causal else ''}{'' if self.stage_compressed else '_nostage'}_{fp8}"
+            f"_t{self.threads}_g{self.tiles_per_group}{'_causal' if self.causal else ''}{'' if self.stage_compressed else '_nostage'}"
+            f"{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
         )
 
 
@@ -139,24 +146,33 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
         return T.if_then_else(qi < q_len, T.cast(value, compute_dtype), T.cast(0, compute_dtype))
 
-    def mxfp4_element(src, kv_begin, tile_lo, split_hi, Block_scale, i, d):
+    def kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i):
+        """Cache row of row i of the current tile. Rows past the split end repeat its last token (finite data, so
+        P V stays finite; their scores are masked). Paged: token p of sequence b is slot p % page_size of page
+        Page_table[b, p // page_size]."""
+        pos = T.min(tile_lo + i, split_hi - 1)
+        if cfg.page_size == 0:
+            return kv_begin + pos
+        return Page_table[seq_id, pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
+
+    def mxfp4_element(src, Page_table, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, d):
         """Element d of mxfp4 row i as fp32. The e2m1 code's 3 magnitude bits placed at fp16 bits 11..9 form an
         fp16 of value code * 2^-14 (denormal for the e2m1 subnormals, exact after conversion to fp32)."""
-        byte = T.cast(compressed(src, kv_begin, tile_lo, split_hi, i, d // 2), "int32")
+        byte = T.cast(compressed(src, Page_table, seq_id, kv_begin, tile_lo, split_hi, i, d // 2), "int32")
         code = T.shift_right(byte, (d % 2) * 4) & 15  # low nibble = even element
         half_bits = T.shift_left(code & 8, 12) | T.shift_left(code & 7, 9)
         magnitude = T.cast(T.reinterpret(T.cast(half_bits, "uint16"), "float16"), accum_dtype)
         return magnitude * 16384.0 * Block_scale[i, d // MXFP4_BLOCK]  # 16384 = 2^14
 
-    def compressed(src, kv_begin, tile_lo, split_hi, i, c):
+    def compressed(src, Page_table, seq_id, kv_begin, tile_lo, split_hi, i, c):
         """Element c of compressed row i of the current tile: from the staged shared copy, or from global memory
         (rows past the split end repeat its last token, as in the staged copy)."""
         if staged:
             return src[i, c]
-        return src[kv_begin + T.min(tile_lo + i, split_hi - 1), c]
+        return src[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i), c]
 
     @T.macro
-    def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, sm_scale, Out, LSE):
+    def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, Out, LSE):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
             Q_shared = T.alloc_shared([block_m, KV_LORA_RANK], compute_dtype)
             Qpe_shared = T.alloc_shared([block_m, ROPE_DIM], compute_dtype)
@@ -209,74 +225,78 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 T.fill(denom, 0)
                 T.fill(row_max, -T.infinity(accum_dtype))
 
-                for t in T.Pipelined(num_tiles, num_stages=cfg.num_stages):
-                    tile_lo = split_lo + t * block_n
-                    # Stage 2: the KV tile. Rows past the split end repeat its last token (finite data, so P V
-                    # stays finite); their scores are masked to -inf below.
-                    if cfg.kv_format == "bf16":
-                        for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                            KV_shared[i, d] = KV[kv_begin + T.min(tile_lo + i, split_hi - 1), d]
-                        for i, d in T.Parallel(block_n, ROPE_DIM):
-                            Kpe_shared[i, d] = KV[kv_begin + T.min(tile_lo + i, split_hi - 1), KV_LORA_RANK + d]
-                    elif staged:
-                        for i, c in T.Parallel(block_n, kv_cols):
-                            KV_raw[i, c] = KV[kv_begin + T.min(tile_lo + i, split_hi - 1), c]
-                    if cfg.kv_format == "fp8":
-                        # fp8 -> bf16 is exact; the per-tensor scale is applied to scores and output instead.
-                        for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                            KV_shared[i, d] = T.cast(compressed(KV_raw, kv_begin, tile_lo, split_hi, i, d), compute_dtype)
-                        for i, d in T.Parallel(block_n, ROPE_DIM):
-                            Kpe_shared[i, d] = T.cast(compressed(KV_raw, kv_begin, tile_lo, split_hi, i, KV_LORA_RANK + d), compute_dtype)
-                    if cfg.kv_format == "mxfp4":
-                        # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127; 255 is NaN).
-                        for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
-                            e = T.cast(KV_scales[(kv_begin + T.min(tile_lo + i, split_hi - 1)) * scale_stride + b], "int32")
-                            Block_scale[i, b] = T.if_then_else(
-                                e == 0,
-                                T.float32(5.877471754111438e-39),
-                                T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.shift_left(e, 23)), "float32"),
-                            )
-                        # Values = e2m1 code * power-of-two scale: exact in bf16. Latent and rope parts are separate
-                        # loops (one conditional store per element defeats TileLang's vectorizer).
-                        for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                            KV_shared[i, d] = T.cast(
-                                mxfp4_element(KV_raw, kv_begin, tile_lo, split_hi, Block_scale, i, d), compute_dtype
-                            )
-                        for i, d in T.Parallel(block_n, ROPE_DIM):
-                            Kpe_shared[i, d] = T.cast(
-                                mxfp4_element(KV_raw, kv_begin, tile_lo, split_hi, Block_scale, i, KV_LORA_RANK + d),
-                                compute_dtype,
-                            )
+                # The KV loop: groups of ``tiles_per_group`` tiles, each group a software pipeline of static
+                # length (TileLang 0.1.15 cannot pipeline a loop whose trip count varies per CTA). Tiles past the
+                # split's end are fully masked and change nothing.
+                for group in T.serial(T.ceildiv(num_tiles, cfg.tiles_per_group)):
+                    for t_in in T.Pipelined(cfg.tiles_per_group, num_stages=cfg.num_stages):
+                        tile_lo = split_lo + (group * cfg.tiles_per_group + t_in) * block_n
+                        # Stage 2: the KV tile. Rows past the split end repeat its last token (finite data, so P V
+                        # stays finite); their scores are masked to -inf below.
+                        if cfg.kv_format == "bf16":
+                            for i, d in T.Parallel(block_n, KV_LORA_RANK):
+                                KV_shared[i, d] = KV[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i), d]
+                            for i, d in T.Parallel(block_n, ROPE_DIM):
+                                Kpe_shared[i, d] = KV[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i), KV_LORA_RANK + d]
+                        elif staged:
+                            for i, c in T.Parallel(block_n, kv_cols):
+                                KV_raw[i, c] = KV[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i), c]
+                        if cfg.kv_format == "fp8":
+                            # fp8 -> bf16 is exact; the per-tensor scale is applied to scores and output instead.
+                            for i, d in T.Parallel(block_n, KV_LORA_RANK):
+                                KV_shared[i, d] = T.cast(compressed(KV_raw, Page_table, seq_id, kv_begin, tile_lo, split_hi, i, d), compute_dtype)
+                            for i, d in T.Parallel(block_n, ROPE_DIM):
+                                Kpe_shared[i, d] = T.cast(compressed(KV_raw, Page_table, seq_id, kv_begin, tile_lo, split_hi, i, KV_LORA_RANK + d), compute_dtype)
+                        if cfg.kv_format == "mxfp4":
+                            # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127; 255 is NaN).
+                            for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
+                                e = T.cast(KV_scales[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i) * scale_stride + b], "int32")
+                                Block_scale[i, b] = T.if_then_else(
+                                    e == 0,
+                                    T.float32(5.877471754111438e-39),
+                                    T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.shift_left(e, 23)), "float32"),
+                                )
+                            # Values = e2m1 code * power-of-two scale: exact in bf16. Latent and rope parts are separate
+                            # loops (one conditional store per element defeats TileLang's vectorizer).
+                            for i, d in T.Parallel(block_n, KV_LORA_RANK):
+                                KV_shared[i, d] = T.cast(
+                                    mxfp4_element(KV_raw, Page_table, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, d), compute_dtype
+                                )
+                            for i, d in T.Parallel(block_n, ROPE_DIM):
+                                Kpe_shared[i, d] = T.cast(
+                                    mxfp4_element(KV_raw, Page_table, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, KV_LORA_RANK + d),
+                                    compute_dtype,
+                                )
 
-                    # Stage 3: S = Q K^T over the 512 latent + 64 rope dims.
-                    T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                    T.gemm(Qpe_shared, Kpe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                    for r, j in T.Parallel(block_m, block_n):
-                        qi = q_pass * q_tile + r // block_h
-                        horizon = split_hi
-                        if cfg.causal:
-                            # query qi of q_len sees positions [0, kv_len - q_len + qi]
-                            horizon = T.min(split_hi, kv_len - q_len + qi + 1)
-                        acc_s[r, j] = T.if_then_else(tile_lo + j < horizon, acc_s[r, j] * score_scale, -T.infinity(accum_dtype))
+                        # Stage 3: S = Q K^T over the 512 latent + 64 rope dims.
+                        T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                        T.gemm(Qpe_shared, Kpe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                        for r, j in T.Parallel(block_m, block_n):
+                            qi = q_pass * q_tile + r // block_h
+                            horizon = split_hi
+                            if cfg.causal:
+                                # query qi of q_len sees positions [0, kv_len - q_len + qi]
+                                horizon = T.min(split_hi, kv_len - q_len + qi + 1)
+                            acc_s[r, j] = T.if_then_else(tile_lo + j < horizon, acc_s[r, j] * score_scale, -T.infinity(accum_dtype))
 
-                    # Stage 4: online softmax (base 2). A row with no visible token yet keeps max -inf; the safe
-                    # max (0) keeps exp2 away from (-inf) - (-inf).
-                    T.copy(row_max, row_max_prev)
-                    T.reduce_max(acc_s, row_max, dim=1, clear=False)
-                    for r in T.Parallel(block_m):
-                        row_max_safe[r] = T.if_then_else(row_max[r] == -T.infinity(accum_dtype), 0, row_max[r])
-                        rescale[r] = T.exp2(row_max_prev[r] - row_max_safe[r])
-                    for r, j in T.Parallel(block_m, block_n):
-                        acc_s[r, j] = T.exp2(acc_s[r, j] - row_max_safe[r])
-                    T.reduce_sum(acc_s, row_sum, dim=1)
-                    for r in T.Parallel(block_m):
-                        denom[r] = denom[r] * rescale[r] + row_sum[r]
-                    for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                        acc_o[r, d] *= rescale[r]
-                    T.copy(acc_s, P_shared)
+                        # Stage 4: online softmax (base 2). A row with no visible token yet keeps max -inf; the safe
+                        # max (0) keeps exp2 away from (-inf) - (-inf).
+                        T.copy(row_max, row_max_prev)
+                        T.reduce_max(acc_s, row_max, dim=1, clear=False)
+                        for r in T.Parallel(block_m):
+                            row_max_safe[r] = T.if_then_else(row_max[r] == -T.infinity(accum_dtype), 0, row_max[r])
+                            rescale[r] = T.exp2(row_max_prev[r] - row_max_safe[r])
+                        for r, j in T.Parallel(block_m, block_n):
+                            acc_s[r, j] = T.exp2(acc_s[r, j] - row_max_safe[r])
+                        T.reduce_sum(acc_s, row_sum, dim=1)
+                        for r in T.Parallel(block_m):
+                            denom[r] = denom[r] * rescale[r] + row_sum[r]
+                        for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                            acc_o[r, d] *= rescale[r]
+                        T.copy(acc_s, P_shared)
 
-                    # Stage 5: O += P V.
-                    T.gemm(P_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                        # Stage 5: O += P V.
+                        T.gemm(P_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
 
                 # Stage 6: normalise and write. denom == 0 means nothing was visible: output 0, LSE -inf.
                 for r, d in T.Parallel(block_m, KV_LORA_RANK):
@@ -296,6 +316,9 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                         else:
                             LSE[q_begin + qi, hg * block_h + r % block_h] = lse2 * ln2
 
+    if cfg.page_size:
+        dims = dict(total_q=total_q, total_kv=total_kv, indptr_len=indptr_len, scale_len=scale_len, num_splits=num_splits)
+        return _paged_prim_func(cfg, decode_body, q_dtype, kv_dtype, kv_cols, dims)
     if cfg.split:
 
         @T.prim_func
@@ -312,7 +335,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             O_partial: T.Tensor([num_splits, total_q, heads, KV_LORA_RANK], accum_dtype),
             LSE_partial: T.Tensor([num_splits, total_q, heads], accum_dtype),
         ):
-            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, sm_scale, O_partial, LSE_partial)
+            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale, O_partial, LSE_partial)
 
         return mla_decode_split
 
@@ -330,11 +353,57 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         Out: T.Tensor([total_q, heads, KV_LORA_RANK], "bfloat16"),
         LSE: T.Tensor([total_q, heads], accum_dtype),
     ):
-        decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, sm_scale, Out, LSE)
+        decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale, Out, LSE)
 
     return mla_decode_direct
 
 
-def compile_kernel(prim_func, target: dict):
-    """Compiles a prim_func for ``target`` through TileLang's disk cache (TILELANG_CACHE_DIR)."""
-    return tilelang.compile(prim_func, target=target)
+def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtype: str, kv_cols: int, dims: dict):
+    """The paged-cache variant: as the flat one plus ``Page_table (batch, max_pages) int32``; KV (and the mxfp4
+    scales) are indexed by physical row = page * page_size + slot, i.e. the paged cache flattened to rows.
+    ``dims`` are the flat kernel's dynamic dims, which ``decode_body`` closes over."""
+    heads, accum_dtype = cfg.num_heads, "float32"
+    total_q, cache_rows, indptr_len, scale_len = dims["total_q"], dims["total_kv"], dims["indptr_len"], dims["scale_len"]
+    num_splits = dims["num_splits"]
+    batch, max_pages = T.dynamic("batch, max_pages")
+
+    if cfg.split:
+
+        @T.prim_func
+        def mla_decode_split_paged(
+            Q: T.Tensor([total_q, heads, QK_DIM], q_dtype),
+            KV: T.Tensor([cache_rows, kv_cols], kv_dtype),
+            KV_scales: T.Tensor([scale_len], "uint8"),
+            scale_stride: T.int32,
+            Q_scale: T.Tensor([1], accum_dtype),
+            KV_scale: T.Tensor([1], accum_dtype),
+            qo_indptr: T.Tensor([indptr_len], "int32"),
+            kv_indptr: T.Tensor([indptr_len], "int32"),
+            Page_table: T.Tensor([batch, max_pages], "int32"),
+            sm_scale: T.float32,
+            O_partial: T.Tensor([num_splits, total_q, heads, KV_LORA_RANK], accum_dtype),
+            LSE_partial: T.Tensor([num_splits, total_q, heads], accum_dtype),
+        ):
+            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, O_partial, LSE_partial)
+
+        return mla_decode_split_paged
+
+    @T.prim_func
+    def mla_decode_direct_paged(
+        Q: T.Tensor([total_q, heads, QK_DIM], q_dtype),
+        KV: T.Tensor([cache_rows, kv_cols], kv_dtype),
+        KV_scales: T.Tensor([scale_len], "uint8"),
+        scale_stride: T.int32,
+        Q_scale: T.Tensor([1], accum_dtype),
+        KV_scale: T.Tensor([1], accum_dtype),
+        qo_indptr: T.Tensor([indptr_len], "int32"),
+        kv_indptr: T.Tensor([indptr_len], "int32"),
+        Page_table: T.Tensor([batch, max_pages], "int32"),
+        sm_scale: T.float32,
+        Out: T.Tensor([total_q, heads, KV_LORA_RANK], "bfloat16"),
+        LSE: T.Tensor([total_q, heads], accum_dtype),
+    ):
+        decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, Out, LSE)
+
+    return mla_decode_direct_paged
+

@@ -7,7 +7,6 @@ TILELANG_CACHE_DIR on the CPU box, carry it to the GPU host).
 """
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -27,13 +26,18 @@ SPLIT_COUNTS = [1, 2, 4, 8, 16, 32, 64]
 
 def variants(mode: str) -> list[dict]:
     """Config overrides to try for a mode (the first is the current default)."""
-    # Each warp must own >= 8 columns of the S = Q K^T tile: block_n 32 allows at most 4 warps.
-    grid = [dict(block_n=bn, threads=t) for bn, t in itertools.product((64, 32), (128, 256)) if bn * 32 // t >= 8]
+    pipelined = [
+        dict(block_n=64, num_stages=1, tiles_per_group=1),
+        dict(block_n=64, num_stages=2, tiles_per_group=2),
+        dict(block_n=64, num_stages=2, tiles_per_group=4),
+        dict(block_n=32, num_stages=2, tiles_per_group=4),
+        dict(block_n=32, num_stages=3, tiles_per_group=4),
+    ]
     if mode == "a8w8":
         return [{}]  # same kernel as fp8 but for the Q load: the fp8 sweep decides
     if mode == "bf16":
-        return grid
-    return [dict(v, stage_compressed=stage) for stage in (True, False) for v in grid]
+        return pipelined
+    return pipelined + [dict(block_n=64, num_stages=3, tiles_per_group=4), dict(block_n=64, stage_compressed=False)]
 
 
 def fits(spec, mode: str, overrides: dict) -> bool:
@@ -138,6 +142,17 @@ def host_overhead(rows) -> None:
             rows.append(row)
             print(f"host overhead {mode} splits={splits}: {host_us:.1f} us/call on the host; "
                   f"eager {row['eager_us']:.1f} us, graph replay {row['graph_us']:.1f} us (warm L2)", flush=True)
+    import cProfile
+    import pstats
+
+    fn = lambda: bench_call("bf16", data, {}, None)  # noqa: E731
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(500):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
 def bench_call(mode, data, overrides, num_splits):
