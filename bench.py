@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 from mla import formats, jit, schedule, target  # noqa: E402
 from mla.decode import DEFAULT_SM_SCALE, SUPPORTED_HEADS, mla_decode  # noqa: E402
-from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs  # noqa: E402
+from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged  # noqa: E402
 from mla.reference import mla_decode_reference  # noqa: E402
 
 DEVICE = "cuda"
@@ -180,6 +180,8 @@ def parse_args(argv=None):
     parser.add_argument("--long", action="store_true", help="add 32k contexts: batch 4 and 16 x 32768")
     parser.add_argument("--q-len", type=positive_int, default=1, help="query tokens per sequence (MTP; default 1)")
     parser.add_argument("--heads", type=int, choices=SUPPORTED_HEADS, default=16, help="query heads (default 16)")
+    parser.add_argument("--page-size", type=positive_int, default=None,
+                        help="read the KV through a page table: caches laid out in shuffled pages of this many tokens")
     parser.add_argument("--splits", type=positive_int, default=None,
                         help="force num_splits (default: the op's own choice, schedule.choose_num_splits)")
     parser.add_argument("--no-baselines", action="store_true", help="skip the naive torch baselines")
@@ -254,17 +256,18 @@ def make_inputs(case: Case, q_len: int, heads: int, device: str):
     return make_ragged_inputs(list(case.kv_lens), q_len, num_heads=heads, seed=INPUT_SEED, device=device)
 
 
-def run_mode(mode: str, data, num_splits: int | None = None) -> torch.Tensor:
-    """One mla_decode call in ``mode`` on the harness tuple ``data``."""
+def run_mode(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None) -> torch.Tensor:
+    """One mla_decode call in ``mode`` on the harness tuple ``data`` (paged caches come with ``page_table``)."""
     q, kv_data, qo_indptr, kv_indptr, _ = data
+    common = dict(num_splits=num_splits, page_table=page_table)
     if mode == "bf16":
-        return mla_decode(q, kv_data["bf16"], qo_indptr, kv_indptr, num_splits=num_splits)
+        return mla_decode(q, kv_data["bf16"], qo_indptr, kv_indptr, **common)
     if mode in ("fp8", "a8w8"):
         kv_fp8, kv_scale = kv_data["fp8"]
         q_format = "fp8" if mode == "a8w8" else "bf16"
-        return mla_decode(q, kv_fp8, qo_indptr, kv_indptr, kv_scale=kv_scale, q_format=q_format, num_splits=num_splits)
+        return mla_decode(q, kv_fp8, qo_indptr, kv_indptr, kv_scale=kv_scale, q_format=q_format, **common)
     kv_packed, block_scales = kv_data["mxfp4"]
-    return mla_decode(q, kv_packed, qo_indptr, kv_indptr, kv_block_scale=block_scales, num_splits=num_splits)
+    return mla_decode(q, kv_packed, qo_indptr, kv_indptr, kv_block_scale=block_scales, **common)
 
 
 def torch_bf16_loop(data, sm_scale: float = DEFAULT_SM_SCALE) -> torch.Tensor:
@@ -518,10 +521,14 @@ def bench_peers(bench: Bench, case: Case, data, ref_fn) -> list[dict]:
 
 def bench_modes(bench: Bench, case: Case, data, ref_fns: dict, comparisons: list[dict]) -> list[dict]:
     args, rows = bench.args, []
+    page_table = None
+    if args.page_size:  # same values, read through a shuffled page table (the reference keeps the flat cache)
+        paged_kv, page_table = to_paged(data, args.page_size, seed=INPUT_SEED)
+        data = (data[0], paged_kv, *data[2:])
     for mode in args.modes:
         row = base_row(case, mode, "mode", args)
         row["num_splits"] = splits_for(bench.spec, mode, case, args)
-        fn = lambda mode=mode: run_mode(mode, data, args.splits)  # noqa: E731
+        fn = lambda mode=mode: run_mode(mode, data, args.splits, page_table)  # noqa: E731
         measure(bench, row, fn, reps=args.reps,
                 bytes_read=bytes_moved(case.batch, case.mean_kv_len, args.q_len, args.heads, mode),
                 ref_fn=ref_fns[mode] if args.check else None)

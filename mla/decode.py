@@ -136,9 +136,14 @@ def mla_decode(
     if not q.is_contiguous():
         raise ValueError(f"q: expected a contiguous tensor, got strides {q.stride()}")
 
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     sm_scale = DEFAULT_SM_SCALE if sm_scale is None else float(sm_scale)
     out = _out_buffer("out", out, (total_q, num_heads, KV_LORA_RANK), torch.bfloat16, device)
-    lse = _out_buffer("lse", lse, (total_q, num_heads), torch.float32, device)
+    if lse is not None or return_lse:
+        lse = _out_buffer("lse", lse, (total_q, num_heads), torch.float32, device)
+    else:  # the kernels always write an LSE; nobody reads this one
+        lse = _workspace(device, "lse", (total_q, num_heads))
     batch = qo_indptr.shape[0] - 1
     if page_table is not None:
         _check_page_table(page_table, batch, device)
@@ -147,8 +152,6 @@ def mla_decode(
     if total_q == 0 or batch == 0:
         return (out, lse) if return_lse else out
 
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     overrides = tuple(sorted(config_overrides.items())) if config_overrides else ()
     decode, combine, num_splits = _plan(
         spec, kv_format, kernel_q_format, num_heads, causal, page_size, batch, total_q, total_kv, num_splits, overrides
@@ -158,8 +161,8 @@ def mla_decode(
     if combine is None:
         decode(*args, out, lse)
     else:
-        o_partial = torch.empty((num_splits, total_q, num_heads, KV_LORA_RANK), dtype=torch.float32, device=device)
-        lse_partial = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=device)
+        o_partial = _workspace(device, "o_partial", (num_splits, total_q, num_heads, KV_LORA_RANK))
+        lse_partial = _workspace(device, "lse_partial", (num_splits, total_q, num_heads))
         decode(*args, o_partial, lse_partial)
         combine(o_partial, lse_partial, out, lse)
     return (out, lse) if return_lse else out
@@ -346,6 +349,23 @@ def _out_buffer(name: str, buf, shape: tuple, dtype: torch.dtype, device: torch.
     if not buf.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
     return buf
+
+
+_WORKSPACES: dict = {}
+
+
+def _workspace(device: torch.device, name: str, shape: tuple) -> torch.Tensor:
+    """fp32 scratch (split partials, an LSE nobody asked for), kept per (device, stream, name) and grown on
+    demand, so a steady stream of calls allocates nothing. Calls on one stream are ordered, so reuse is safe;
+    during CUDA-graph capture a fresh buffer is taken (it then belongs to the graph)."""
+    numel = math.prod(shape)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream, name)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf[:numel].view(shape)
 
 
 @functools.lru_cache(maxsize=None)

@@ -79,3 +79,49 @@ def make_ragged_inputs(
     kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     config = harness_config(len(kv_lens), max(kv_lens, default=0), max(q_lens, default=0), num_heads)
     return q, _kv_data(kv, fp8_dtype), qo_indptr, kv_indptr, config
+
+
+def to_paged(data, page_size: int, *, seed: int = 0):
+    """The flat cache of a harness tuple laid out in shuffled pages of ``page_size`` tokens, every slot the kernel
+    must not read (tails past a sequence's end, spare pages, unused page-table entries) holding NaN (fp8: the NaN
+    code 0x7F; mxfp4: the NaN scale 0xFF). Returns ({"bf16": ..., "fp8": ..., "mxfp4": ...} with caches shaped
+    (num_pages, page_size, 1, row), page_table (batch, max_pages) int32); kv_indptr keeps giving the lengths."""
+    _, kv_data, _, kv_indptr, _ = data
+    device = kv_indptr.device
+    kv_lens = kv_indptr.diff().tolist()
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(pages_per_seq) + 3  # spare pages, left NaN
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    nan_page = order[-1]  # unused table entries point at a NaN page
+    table = torch.full((len(kv_lens), max(pages_per_seq + [1]) + 1), nan_page, dtype=torch.int32)
+    src_rows, dst_rows, next_page, start = [], [], 0, 0
+    for b, n in enumerate(kv_lens):
+        for p in range(pages_per_seq[b]):
+            page = order[next_page]
+            next_page += 1
+            table[b, p] = page
+            for slot in range(min(page_size, n - p * page_size)):
+                src_rows.append(start + p * page_size + slot)
+                dst_rows.append(page * page_size + slot)
+        start += n
+    src, dst = torch.tensor(src_rows, device=device), torch.tensor(dst_rows, device=device)
+    rows = num_pages * page_size
+
+    def scatter(values, fill, fill_dtype):
+        """Rows of ``values`` moved to their paged places; every other row filled with ``fill`` (in fill_dtype)."""
+        paged = torch.full((rows, *values.shape[1:]), fill, dtype=fill_dtype, device=device).view(values.dtype)
+        paged[dst] = values[src]
+        return paged
+
+    fp8_codes, fp8_scale = kv_data["fp8"]
+    packed, block_scale = kv_data["mxfp4"]
+    paged = {
+        "bf16": scatter(kv_data["bf16"], math.nan, torch.bfloat16).view(num_pages, page_size, 1, QK_DIM),
+        "fp8": (scatter(fp8_codes, 0x7F, torch.uint8).view(num_pages, page_size, 1, QK_DIM), fp8_scale),
+        "mxfp4": (
+            scatter(packed, 0, torch.uint8).view(num_pages, page_size, 1, QK_DIM // 2),
+            scatter(block_scale, 0xFF, torch.uint8),
+        ),
+    }
+    return paged, table.to(device)

@@ -15,6 +15,7 @@ MAX_SPLITS = 64
 # ramp) and the extra cost of the combine kernel when the KV is split. Tuned on the H200 (docs/perf.md).
 CTA_OVERHEAD_TILES = 2.0
 COMBINE_OVERHEAD_TILES = 2.0
+COMBINE_TILES_PER_SPLIT = 0.1  # the combine reads every split's partial output: its cost grows with the count
 
 
 def decode_config(
@@ -32,11 +33,14 @@ def decode_config(
     """The decode kernel config for a target and a problem class (not a problem size). ``overrides``
     (DecodeKernelConfig fields) replace the defaults: for tuning sweeps."""
     block_h = min(num_heads, max(16, 64 // q_tile))
+    if spec.is_hip:
+        # 16 rows per workgroup: with 32+ rows the Q and KV tiles overflow 64 KiB of LDS, or TileLang 0.1.15 fails to
+        # lay out the MFMA accumulators. More heads take more head groups, more queries more passes.
+        block_h, q_tile = 16, 1
     block_m = block_h * q_tile
     # 128 threads for 16 rows (4 warps on Hopper, 2 wave64s on gfx942: each still owns a whole 16-wide MMA tile
     # of a 32-token KV tile); 256 for more rows, so a 64-row fp32 accumulator stays in registers (64 KiB over 256
-    # lanes). KV tile: the largest that fits the shared memory / LDS budget. gfx942 has no async copy to LDS, so
-    # compressed tiles are dequantized straight from global memory instead of being staged.
+    # lanes). KV tile: the largest that fits the shared memory / LDS budget.
     threads = 256 if block_m > 16 else 128
     for block_n in (64, 32):
         cfg = DecodeKernelConfig(
@@ -51,7 +55,9 @@ def decode_config(
             causal=causal,
             split=split,
             page_size=page_size,
-            stage_compressed=not spec.is_hip,
+            # Compressed tiles are dequantized straight from global memory: on the H200 that beat staging them in
+            # shared memory first (docs/perf.md, run 3), and gfx942 has no async copy to LDS anyway.
+            stage_compressed=False,
             fp8_dtype=spec.fp8_tl_dtype,
         )
         cfg = dataclasses.replace(cfg, **overrides)
@@ -91,7 +97,8 @@ def choose_num_splits(
     best, best_cost = 1, math.inf
     for splits in range(1, min(max_splits, tiles) + 1):
         waves = math.ceil(batch * head_groups * splits / slots)
-        cost = waves * (math.ceil(tiles / splits) + CTA_OVERHEAD_TILES) + (COMBINE_OVERHEAD_TILES if splits > 1 else 0)
+        combine = COMBINE_OVERHEAD_TILES + COMBINE_TILES_PER_SPLIT * splits if splits > 1 else 0.0
+        cost = waves * (math.ceil(tiles / splits) + CTA_OVERHEAD_TILES) + combine
         if cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best

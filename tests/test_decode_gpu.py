@@ -14,7 +14,7 @@ import torch
 
 from mla import formats
 from mla.decode import mla_decode, custom_kernel
-from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs
+from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged
 from mla.reference import mla_decode_reference
 
 from conftest import requires_gpu
@@ -151,54 +151,12 @@ def test_empty_batch_and_zero_queries():
     assert mla_decode(q[:0], kv_data["bf16"], one, one).shape == (0, 16, 512)
 
 
-def to_paged(data, kv_lens, page_size, seed):
-    """The flat cache of ``data`` laid out in shuffled pages of ``page_size`` tokens, with every slot the kernel
-    must not read (tails past a sequence's end, unused pages, unused page-table entries) holding NaN.
-    Returns (entry per format, page_table)."""
-    gen = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-n // page_size) for n in kv_lens]
-    num_pages = sum(pages_per_seq) + 3  # + spare pages left NaN
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    nan_page = order[-1]  # unused table entries point at a NaN page
-    max_pages = max(pages_per_seq + [1]) + 1
-    table = torch.full((len(kv_lens), max_pages), nan_page, dtype=torch.int32)
-    src_rows, dst_rows, next_page, start = [], [], 0, 0
-    for b, n in enumerate(kv_lens):
-        for p in range(pages_per_seq[b]):
-            page = order[next_page]
-            next_page += 1
-            table[b, p] = page
-            for slot in range(min(page_size, n - p * page_size)):
-                src_rows.append(start + p * page_size + slot)
-                dst_rows.append(page * page_size + slot)
-        start += n
-    src, dst = torch.tensor(src_rows, device="cuda"), torch.tensor(dst_rows, device="cuda")
-    rows = num_pages * page_size
-    _, kv_data, _, _, _ = data
-    kv_bf16 = torch.full((rows, 1, 576), math.nan, dtype=torch.bfloat16, device="cuda")
-    kv_bf16[dst] = kv_data["bf16"][src]
-    fp8_codes, fp8_scale = kv_data["fp8"]
-    fp8 = torch.full((rows, 1, 576), 0x7F, dtype=torch.uint8, device="cuda").view(fp8_codes.dtype)
-    fp8[dst] = fp8_codes[src]
-    packed, block_scale = kv_data["mxfp4"]
-    fp4 = torch.zeros((rows, 1, 288), dtype=torch.uint8, device="cuda")
-    fp4[dst] = packed[src]
-    fp4_scale = torch.full((rows, 18), 0xFF, dtype=torch.uint8, device="cuda")
-    fp4_scale[dst] = block_scale[src]
-    paged = {
-        "bf16": kv_bf16.view(num_pages, page_size, 1, 576),
-        "fp8": (fp8.view(num_pages, page_size, 1, 576), fp8_scale),
-        "mxfp4": (fp4.view(num_pages, page_size, 1, 288), fp4_scale),
-    }
-    return paged, table.cuda()
-
-
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("mode", MODES)
 def test_paged_kv_with_shuffled_pages(mode, page_size):
     kv_lens = [1, 0, 63, 64, 65, 700, 2049]
     data = make_ragged_inputs(kv_lens, seed=page_size)
-    paged, table = to_paged(data, kv_lens, page_size, seed=page_size)
+    paged, table = to_paged(data, page_size, seed=page_size)
     q, _, qo_indptr, kv_indptr, config = data
     out = poisoned((q.shape[0], 16, 512), torch.bfloat16)
     run_mode(mode, (q, paged, qo_indptr, kv_indptr, config), out=out, page_table=table, check_inputs=True)
@@ -209,7 +167,7 @@ def test_paged_kv_with_shuffled_pages(mode, page_size):
 def test_check_inputs_catches_bad_page_numbers():
     kv_lens = [5, 40]
     data = make_ragged_inputs(kv_lens, seed=1)
-    paged, table = to_paged(data, kv_lens, 16, seed=1)
+    paged, table = to_paged(data, 16, seed=1)
     table[1, 0] = 10_000
     q, _, qo_indptr, kv_indptr, _ = data
     with pytest.raises(ValueError, match="page_table: sequence 1 uses page 10000"):

@@ -50,6 +50,8 @@ class DecodeKernelConfig:
     threads: int = 128
     causal: bool = False
     split: bool = True  # True: write fp32 partials + LSE for the combine kernel; False: final output
+    kv_rows_as_m: bool = False  # MMA orientation: True computes S^T = K Q^T and O^T = V^T P^T, so the KV tile is
+    # the M dimension (64-row wgmma on Hopper; no padding of the 16 heads to 64 rows), False S = Q K^T, O = P V
     page_size: int = 0  # 0: flat cache (sequence b owns rows kv_indptr[b]:kv_indptr[b+1]); else tokens per page
     stage_compressed: bool = True  # copy the compressed tile to shared memory (async) before dequantizing it;
     # False dequantizes straight from global memory (saves shared memory: gfx942 has 64 KiB of LDS)
@@ -88,8 +90,8 @@ class DecodeKernelConfig:
         return (
             f"mla_decode_{'split' if self.split else 'direct'}_kv{self.kv_format}_q{self.q_format}"
             f"_h{self.num_heads}_bh{self.block_h}_qt{self.q_tile}_bn{self.block_n}_st{self.num_stages}"
-            f"_t{self.threads}_g{self.tiles_per_group}{'_causal' if self.causal else ''}{'' if self.stage_compressed else '_nostage'}"
-            f"{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
+            f"_t{self.threads}_g{self.tiles_per_group}{'_causal' if self.causal else ''}{'' if self.stage_compressed or self.kv_format == 'bf16' else '_nostage'}"
+            f"{f'_page{self.page_size}' if self.page_size else ''}{'_kvm' if self.kv_rows_as_m else ''}_{fp8}"
         )
 
 
@@ -146,6 +148,15 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
         return T.if_then_else(qi < q_len, T.cast(value, compute_dtype), T.cast(0, compute_dtype))
 
+    # Index order of the accumulators: (query row, token/dim), swapped when the KV tile is the MMA's M dimension.
+    token_axis = 0 if cfg.kv_rows_as_m else 1  # the softmax reduces over tokens
+
+    def tr(*index):
+        """(query row, other) as the accumulators store it."""
+        if len(index) == 1:  # a shape
+            return list(reversed(index[0])) if cfg.kv_rows_as_m else list(index[0])
+        return (index[1], index[0]) if cfg.kv_rows_as_m else index
+
     def kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i):
         """Cache row of row i of the current tile. Rows past the split end repeat its last token (finite data, so
         P V stays finite; their scores are masked). Paged: token p of sequence b is slot p % page_size of page
@@ -185,8 +196,9 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             if cfg.kv_format == "mxfp4":
                 Block_scale = T.alloc_shared([block_n, MXFP4_SCALES_PER_TOKEN], accum_dtype)
             P_shared = T.alloc_shared([block_m, block_n], compute_dtype)
-            acc_s = T.alloc_fragment([block_m, block_n], accum_dtype)
-            acc_o = T.alloc_fragment([block_m, KV_LORA_RANK], accum_dtype)
+            # Scores and output accumulators, [query row, token] / [query row, dim], or transposed (kv_rows_as_m).
+            acc_s = T.alloc_fragment(tr([block_m, block_n]), accum_dtype)
+            acc_o = T.alloc_fragment(tr([block_m, KV_LORA_RANK]), accum_dtype)
             row_max = T.alloc_fragment([block_m], accum_dtype)
             row_max_prev = T.alloc_fragment([block_m], accum_dtype)
             row_max_safe = T.alloc_fragment([block_m], accum_dtype)
@@ -269,40 +281,53 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                                 )
 
                         # Stage 3: S = Q K^T over the 512 latent + 64 rope dims.
-                        T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                        T.gemm(Qpe_shared, Kpe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                        if cfg.kv_rows_as_m:
+                            T.gemm(KV_shared, Q_shared, acc_s, transpose_B=True, clear_accum=True)
+                            T.gemm(Kpe_shared, Qpe_shared, acc_s, transpose_B=True)
+                        else:
+                            T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                            T.gemm(Qpe_shared, Kpe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                         for r, j in T.Parallel(block_m, block_n):
                             qi = q_pass * q_tile + r // block_h
                             horizon = split_hi
                             if cfg.causal:
                                 # query qi of q_len sees positions [0, kv_len - q_len + qi]
                                 horizon = T.min(split_hi, kv_len - q_len + qi + 1)
-                            acc_s[r, j] = T.if_then_else(tile_lo + j < horizon, acc_s[r, j] * score_scale, -T.infinity(accum_dtype))
+                            acc_s[tr(r, j)] = T.if_then_else(
+                                tile_lo + j < horizon, acc_s[tr(r, j)] * score_scale, -T.infinity(accum_dtype)
+                            )
 
                         # Stage 4: online softmax (base 2). A row with no visible token yet keeps max -inf; the safe
                         # max (0) keeps exp2 away from (-inf) - (-inf).
                         T.copy(row_max, row_max_prev)
-                        T.reduce_max(acc_s, row_max, dim=1, clear=False)
+                        T.reduce_max(acc_s, row_max, dim=token_axis, clear=False)
                         for r in T.Parallel(block_m):
                             row_max_safe[r] = T.if_then_else(row_max[r] == -T.infinity(accum_dtype), 0, row_max[r])
                             rescale[r] = T.exp2(row_max_prev[r] - row_max_safe[r])
                         for r, j in T.Parallel(block_m, block_n):
-                            acc_s[r, j] = T.exp2(acc_s[r, j] - row_max_safe[r])
-                        T.reduce_sum(acc_s, row_sum, dim=1)
+                            acc_s[tr(r, j)] = T.exp2(acc_s[tr(r, j)] - row_max_safe[r])
+                        T.reduce_sum(acc_s, row_sum, dim=token_axis)
                         for r in T.Parallel(block_m):
                             denom[r] = denom[r] * rescale[r] + row_sum[r]
                         for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                            acc_o[r, d] *= rescale[r]
-                        T.copy(acc_s, P_shared)
+                            acc_o[tr(r, d)] *= rescale[r]
+                        if cfg.kv_rows_as_m:
+                            for r, j in T.Parallel(block_m, block_n):
+                                P_shared[r, j] = T.cast(acc_s[j, r], compute_dtype)
+                        else:
+                            T.copy(acc_s, P_shared)
 
                         # Stage 5: O += P V.
-                        T.gemm(P_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                        if cfg.kv_rows_as_m:
+                            T.gemm(KV_shared, P_shared, acc_o, transpose_A=True, transpose_B=True)
+                        else:
+                            T.gemm(P_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
 
                 # Stage 6: normalise and write. denom == 0 means nothing was visible: output 0, LSE -inf.
                 for r, d in T.Parallel(block_m, KV_LORA_RANK):
                     qi = q_pass * q_tile + r // block_h
                     if qi < q_len:
-                        value = T.if_then_else(denom[r] > 0, acc_o[r, d] * out_scale / denom[r], 0)
+                        value = T.if_then_else(denom[r] > 0, acc_o[tr(r, d)] * out_scale / denom[r], 0)
                         if cfg.split:
                             Out[split_id, q_begin + qi, hg * block_h + r % block_h, d] = value
                         else:
