@@ -194,11 +194,22 @@ def _plan(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_
     return jit.get_launcher(split_cfg, spec), jit.get_launcher(combine_cfg, spec), num_splits
 
 
+CUSTOM_KERNEL_FORMAT = "bf16"  # fastest format that passes the competition check (docs/perf.md, run 4): every
+# format passes it with no miss, and today bf16 KV is the fastest (geomean 68.6 us vs fp8 93.2, mxfp4 147.3).
+
+
 def custom_kernel(data):
     """Entry point of the competition harness: ``data = (q, kv_data, qo_indptr, kv_indptr, config)`` with
-    ``kv_data = {"bf16": T, "fp8": (T, scale), "mxfp4": (T, scale)}``; returns (total_q, 16, 512) bf16."""
+    ``kv_data = {"bf16": T, "fp8": (T, scale), "mxfp4": (T, scale)}``; returns (total_q, 16, 512) bf16.
+    Reads ``kv_data[CUSTOM_KERNEL_FORMAT]``."""
     q, kv_data, qo_indptr, kv_indptr, config = data
     sm_scale = config.get("sm_scale", DEFAULT_SM_SCALE) if isinstance(config, dict) else DEFAULT_SM_SCALE
+    if CUSTOM_KERNEL_FORMAT == "fp8":
+        kv, kv_scale = kv_data["fp8"]
+        return mla_decode(q, kv, qo_indptr, kv_indptr, kv_scale=kv_scale, sm_scale=sm_scale)
+    if CUSTOM_KERNEL_FORMAT == "mxfp4":
+        kv, block_scale = kv_data["mxfp4"]
+        return mla_decode(q, kv, qo_indptr, kv_indptr, kv_block_scale=block_scale, sm_scale=sm_scale)
     return mla_decode(q, kv_data["bf16"], qo_indptr, kv_indptr, sm_scale=sm_scale)
 
 
