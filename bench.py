@@ -17,7 +17,10 @@ Modes (what the op reads):
     a8w8   Q quantized to fp8 inside the call, fp8 KV (576 B per token): the competition's reference configuration
     mxfp4  bf16 Q, mxfp4 KV (e2m1 + e8m0 per 32)      (288 + 18 = 306 B per token)
 Peers (when importable): FlashInfer's BatchMLAPagedAttentionWrapper, backends fa3 and fa2, bf16 Q and KV, page size 1;
-only its ``run`` is timed (``plan`` is not). AMD aiter: a stub, only on ROCm.
+only its ``run`` is timed (``plan`` is not). On ROCm only, AMD aiter (package amd-aiter): its a8w8 persistent MLA decode
+called as the competition reference calls it (fp8 Q and KV, per-tensor scales, page size 1, 32 KV splits); only
+``aiter.mla.mla_decode_fwd`` is timed (metadata and the fp8 quantization of Q and KV are not). The aiter peer is
+untested in this project (no ROCm machine): only its call sequence is checked, on the CPU, against a fake aiter.
 Baselines: the harness template's two naive torch versions, re-implemented here: a per-sequence bf16 loop ("loop") and
 fp8 Q/K through ``torch._scaled_mm`` ("scaled_mm"); skipped above BASELINE_MAX_TOKENS cached tokens (too slow).
 
@@ -32,6 +35,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import importlib
 import json
 import logging
 import math
@@ -68,9 +72,12 @@ KV_BYTES_PER_TOKEN = {
     "mxfp4": QK_DIM // 2 + QK_DIM // 32,  # 288 packed e2m1 + 18 e8m0 scales = 306
 }
 PEERS = ("fa3", "fa2")  # FlashInfer MLA backends
+AITER = "aiter"  # AMD aiter's a8w8 persistent MLA decode (ROCm only)
+AITER_PAGE_SIZE = 1  # as the competition reference (gpu-mode/reference-kernels problems/amd_202602/mixed-mla)
+AITER_NUM_KV_SPLITS = 32
 BASELINES = ("loop", "scaled_mm")  # the harness template's naive torch versions
 BASELINE_MAX_TOKENS = 64 * 8192  # cached tokens (batch * kv_len) above which the baselines are skipped
-REL_L2_LIMIT = {"bf16": 1e-2, "fp8": 2e-2, "a8w8": 2e-2, "mxfp4": 2e-2, "fa3": 1e-2, "fa2": 1e-2,
+REL_L2_LIMIT = {"bf16": 1e-2, "fp8": 2e-2, "a8w8": 2e-2, "mxfp4": 2e-2, "fa3": 1e-2, "fa2": 1e-2, AITER: 2e-2,
                 "loop": 1e-2, "scaled_mm": 5e-2}  # --check flags FAIL above these (vs the fp32 reference)
 
 WARMUP_CALLS = 5
@@ -185,7 +192,7 @@ def parse_args(argv=None):
     parser.add_argument("--splits", type=positive_int, default=None,
                         help="force num_splits (default: the op's own choice, schedule.choose_num_splits)")
     parser.add_argument("--no-baselines", action="store_true", help="skip the naive torch baselines")
-    parser.add_argument("--no-peers", action="store_true", help="skip FlashInfer (and the aiter stub)")
+    parser.add_argument("--no-peers", action="store_true", help="skip FlashInfer (and AMD aiter, on ROCm)")
     parser.add_argument("--json", metavar="PATH", help="write every measurement to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of achieved GB/s (needs matplotlib)")
     parser.add_argument("--reps", type=positive_int, default=DEFAULT_REPS,
@@ -333,7 +340,7 @@ def check_output(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 @dataclasses.dataclass
 class Peer:
-    """A FlashInfer MLA backend, or why it is unavailable."""
+    """A FlashInfer MLA backend or AMD aiter, or why it is unavailable."""
 
     name: str
     module: object = None
@@ -355,10 +362,13 @@ def load_flashinfer():
 def setup_peers(device: str) -> list[Peer]:
     flashinfer, reason = load_flashinfer()
     if flashinfer is None:
-        return [Peer(name, reason=reason) for name in PEERS]
-    return [Peer(name, module=flashinfer,
-                 workspace=torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device))
-            for name in PEERS]
+        peers = [Peer(name, reason=reason) for name in PEERS]
+    else:
+        peers = [Peer(name, module=flashinfer,
+                      workspace=torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device))
+                 for name in PEERS]
+    aiter_peer = setup_aiter_peer()
+    return peers + ([aiter_peer] if aiter_peer is not None else [])
 
 
 def flashinfer_callable(peer: Peer, data, heads: int):
@@ -378,15 +388,158 @@ def flashinfer_callable(peer: Peer, data, heads: int):
     return lambda: wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache)
 
 
-def aiter_status() -> str:
-    """AMD aiter (package amd-aiter) is the competition's reference on ROCm; only a stub here."""
+# AMD aiter. Untested in this project (no ROCm machine): written from aiter's sources (aiter/mla.py, aiter/ops/
+# attention.py, op_tests/test_mla_persistent.py of ROCm/aiter) and the competition reference (gpu-mode/
+# reference-kernels problems/amd_202602/mixed-mla/reference.py); tests/test_bench_cpu.py checks the calls against a
+# fake aiter on the CPU. PyPI's "aiter" is an unrelated package: AMD's is "amd-aiter", recognised by aiter.mla.
+
+
+def load_aiter():
+    """(aiter module, None) or (None, reason). Off ROCm: (None, "not on ROCm") without trying to import anything."""
     if not torch.version.hip:
-        return "aiter: not on ROCm"
+        return None, "not on ROCm"
     try:
-        import aiter  # noqa: F401
+        aiter = importlib.import_module("aiter")
+    except Exception as exc:  # noqa: BLE001 - amd-aiter may fail to import (JIT, missing ROCm libs): no peer
+        return None, f"unavailable: import aiter failed: {type(exc).__name__}: {exc}"
+    try:
+        aiter_mla = importlib.import_module("aiter.mla")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("aiter.mla", "aiter"):  # an "aiter" without an mla submodule: not AMD's
+            return None, (f"wrong package: 'import aiter' found {getattr(aiter, '__file__', '?')}, which has no "
+                          "aiter.mla (PyPI's 'aiter' is unrelated; AMD's package is amd-aiter)")
+        return None, f"unavailable: import aiter.mla failed: {type(exc).__name__}: {exc}"
     except Exception as exc:  # noqa: BLE001
-        return f"aiter: unavailable: {type(exc).__name__}: {exc}"
-    return "aiter: importable, but its MLA decode is not wired into this benchmark"
+        return None, f"unavailable: import aiter.mla failed: {type(exc).__name__}: {exc}"
+    if not callable(getattr(aiter_mla, "mla_decode_fwd", None)):
+        return None, "wrong package: aiter.mla has no mla_decode_fwd (AMD's package is amd-aiter)"
+    missing = [name for name in ("get_mla_metadata_info_v1", "get_mla_metadata_v1")
+               if not callable(getattr(aiter, name, None))]
+    if not isinstance(getattr(getattr(aiter, "dtypes", None), "fp8", None), torch.dtype):
+        missing.append("dtypes.fp8")
+    if missing:  # an amd-aiter from before the persistent (v1 metadata) MLA decode
+        return None, "unavailable: amd-aiter too old or incomplete: no " + ", ".join(f"aiter.{m}" for m in missing)
+    return aiter, None
+
+
+def aiter_version(aiter) -> str:
+    version = getattr(aiter, "__version__", None)
+    if version:
+        return str(version)
+    try:
+        from importlib import metadata
+
+        return metadata.version("amd-aiter")
+    except Exception:  # noqa: BLE001 - a source checkout may have no distribution metadata
+        return "?"
+
+
+def setup_aiter_peer() -> Peer | None:
+    """None off ROCm (nothing is imported); else the aiter peer, or why it is unavailable."""
+    aiter, reason = load_aiter()
+    if aiter is None and reason == "not on ROCm":
+        return None
+    return Peer(AITER, module=aiter, reason=reason)
+
+
+def aiter_status(peer: Peer | None) -> str:
+    """The header line about AMD aiter."""
+    if peer is None:
+        return "aiter: not on ROCm"
+    if peer.reason is not None:
+        return f"aiter: {peer.reason}"
+    return (f"aiter: amd-aiter {aiter_version(peer.module)}: a8w8 persistent MLA decode (fp8 Q and KV, page size "
+            f"{AITER_PAGE_SIZE}, {AITER_NUM_KV_SPLITS} KV splits); untested in this project")
+
+
+def aiter_callable(peer: Peer, data, heads: int):
+    """Set up aiter's a8w8 persistent MLA decode for this batch (untimed); returns (the call to time, a function
+    computing the fp32 reference on exactly the fp8 values that call reads).
+
+    Untested in this project (no ROCm machine). The call sequence is the competition reference's:
+      1. Q and the KV cache quantized per tensor to ``aiter.dtypes.fp8`` (e4m3fnuz on gfx942, e4m3fn on gfx950);
+      2. ``aiter.get_mla_metadata_info_v1`` gives the (size, dtype) of the six work buffers;
+      3. ``aiter.get_mla_metadata_v1`` fills them (note its argument order: work_info_set before work_indptr);
+      4. timed: ``aiter.mla.mla_decode_fwd`` with the buffers, the scales and num_kv_splits=32.
+    One deviation: kv_last_page_lens is all ones (page size 1: one token in every page), as aiter's own
+    op_tests/test_mla_persistent.py passes it; the competition reference passes the sequence lengths there.
+    Like the reference, the metadata is causal (is_causal=True; mla_decode_fwd's default): the same as non-causal
+    for one query token, and the check's reference is causal too.
+    """
+    aiter = peer.module
+    aiter_mla = getattr(aiter, "mla", None)
+    if aiter_mla is None:
+        aiter_mla = importlib.import_module("aiter.mla")
+    fp8 = aiter.dtypes.fp8
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    device = q.device
+    total_q = q.shape[0]
+    batch = qo_indptr.shape[0] - 1
+    num_kv_heads = 1
+    if q.shape[1] != heads or q.shape[2] != QK_DIM:
+        raise ValueError(f"q is {tuple(q.shape)}, expected (total_q, {heads}, {QK_DIM})")
+    if heads % 8:
+        raise ValueError(f"aiter's MLA metadata needs a multiple of 8 heads, got {heads}")
+
+    # Untimed setup: fp8 operands. The harness's fp8 cache is reused when it already is aiter's fp8 dtype.
+    q_fp8, q_scale = formats.quantize_fp8(q, fp8)
+    kv_fp8, kv_scale = kv_data["fp8"]
+    if kv_fp8.dtype != fp8:
+        kv_fp8, kv_scale = formats.quantize_fp8(kv_data["bf16"], fp8)
+    total_kv = kv_fp8.shape[0]
+    kv_4d = kv_fp8.reshape(total_kv, AITER_PAGE_SIZE, num_kv_heads, QK_DIM)  # (pages, page_size, kv heads, 576)
+    q_scale = q_scale.to(device=device, dtype=torch.float32).reshape(1)
+    kv_scale = kv_scale.to(device=device, dtype=torch.float32).reshape(1)
+    qo_indptr = qo_indptr.to(device=device, dtype=torch.int32).contiguous()
+    kv_indptr = kv_indptr.to(device=device, dtype=torch.int32).contiguous()
+    kv_indices = torch.arange(total_kv, dtype=torch.int32, device=device)  # page i holds token i
+    kv_last_page_lens = torch.ones(batch, dtype=torch.int32, device=device)
+    max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
+
+    info = aiter.get_mla_metadata_info_v1(
+        batch, max_q_len, heads, fp8, fp8,
+        is_sparse=False, fast_mode=False, num_kv_splits=AITER_NUM_KV_SPLITS, intra_batch_mode=True,
+    )
+    info = list(info)
+    if len(info) != 6:
+        raise RuntimeError(f"aiter.get_mla_metadata_info_v1 returned {len(info)} entries, expected 6")
+    (work_meta_data, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map) = (
+        torch.empty(size, dtype=dtype, device=device) for size, dtype in info)
+    aiter.get_mla_metadata_v1(
+        qo_indptr, kv_indptr, kv_last_page_lens,
+        heads // num_kv_heads, num_kv_heads, True,  # num_heads_per_head_k, num_heads_k, is_causal
+        work_meta_data, work_info_set, work_indptr, reduce_indptr, reduce_final_map, reduce_partial_map,
+        page_size=AITER_PAGE_SIZE, kv_granularity=max(AITER_PAGE_SIZE, 16), max_seqlen_qo=max_q_len,
+        uni_seqlen_qo=max_q_len, fast_mode=False, max_split_per_batch=AITER_NUM_KV_SPLITS, intra_batch_mode=True,
+        dtype_q=fp8, dtype_kv=fp8,
+    )
+    out = torch.empty((total_q, heads, KV_LORA_RANK), dtype=torch.bfloat16, device=device)
+    work = {"work_meta_data": work_meta_data, "work_indptr": work_indptr, "work_info_set": work_info_set,
+            "reduce_indptr": reduce_indptr, "reduce_final_map": reduce_final_map,
+            "reduce_partial_map": reduce_partial_map}
+    decode = aiter_mla.mla_decode_fwd
+
+    def run():
+        decode(q_fp8, kv_4d, out, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_q_len,
+               page_size=AITER_PAGE_SIZE, nhead_kv=num_kv_heads, sm_scale=DEFAULT_SM_SCALE, logit_cap=0.0,
+               num_kv_splits=AITER_NUM_KV_SPLITS, q_scale=q_scale, kv_scale=kv_scale, intra_batch_mode=True,
+               **work)
+        return out
+
+    def reference():
+        ref, _ = mla_decode_reference(formats.dequantize_fp8(q_fp8, q_scale), formats.dequantize_fp8(kv_fp8, kv_scale),
+                                      qo_indptr, kv_indptr, causal=True)
+        return ref
+
+    return run, reference
+
+
+def peer_callable(peer: Peer, data, heads: int, ref_bf16):
+    """(the call to time, its reference function, the mode whose bytes it moves) for one peer; setup untimed."""
+    if peer.name == AITER:
+        fn, ref_fn = aiter_callable(peer, data, heads)
+        return fn, ref_fn, "a8w8"
+    return flashinfer_callable(peer, data, heads), ref_bf16, "bf16"
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -507,13 +660,13 @@ def bench_peers(bench: Bench, case: Case, data, ref_fn) -> list[dict]:
             continue  # said once in the header
         row = base_row(case, peer.name, "peer", args)
         try:
-            fn = flashinfer_callable(peer, data, args.heads)
-        except Exception as exc:  # noqa: BLE001
-            row["error"] = "plan failed: " + error_text(exc)
+            fn, peer_ref_fn, bytes_mode = peer_callable(peer, data, args.heads, ref_fn)
+        except Exception as exc:  # noqa: BLE001 - the row says "unavailable: ..." and the run goes on
+            row["error"] = ("setup failed: " if peer.name == AITER else "plan failed: ") + error_text(exc)
         else:
             measure(bench, row, fn, reps=args.reps,
-                    bytes_read=bytes_moved(case.batch, case.mean_kv_len, args.q_len, args.heads, "bf16"),
-                    ref_fn=ref_fn if args.check else None)
+                    bytes_read=bytes_moved(case.batch, case.mean_kv_len, args.q_len, args.heads, bytes_mode),
+                    ref_fn=peer_ref_fn if args.check else None)
         print(format_row(row), flush=True)
         rows.append(row)
     return rows
@@ -599,7 +752,7 @@ def geomean(values: list[float]) -> float:
 def timed_impls(rows: list[dict], kinds: tuple[str, ...]) -> list[str]:
     """Implementations of these kinds with at least one time: modes, then peers, then baselines."""
     timed = {r["impl"] for r in rows if r["kind"] in kinds and "time_us" in r}
-    return [impl for impl in (*MODES, *PEERS, *BASELINES) if impl in timed]
+    return [impl for impl in (*MODES, *PEERS, AITER, *BASELINES) if impl in timed]
 
 
 def lookup(rows: list[dict], case_label: str, impl: str) -> dict | None:
@@ -762,10 +915,11 @@ def print_ceiling(ceiling: dict) -> None:
 
 def print_peers(peers: list[Peer], args) -> None:
     for peer in peers:
-        print(f"peer {peer.name}: " + (f"unavailable: {peer.reason}" if peer.reason else
-                                       f"flashinfer {getattr(peer.module, '__version__', '?')}"))
+        if peer.name in PEERS:
+            print(f"peer {peer.name}: " + (f"unavailable: {peer.reason}" if peer.reason else
+                                           f"flashinfer {getattr(peer.module, '__version__', '?')}"))
     if not args.no_peers:
-        print(aiter_status())
+        print(aiter_status(next((p for p in peers if p.name == AITER), None)))
     print("kernels compile on first use (one 'ready in' line each; TileLang's disk cache makes reruns fast)",
           flush=True)
 

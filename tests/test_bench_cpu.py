@@ -1,0 +1,333 @@
+"""bench.py on the CPU: the AMD aiter peer against a fake ``aiter`` (no ROCm machine here), and the command line.
+
+The fake aiter has the signatures of amd-aiter's ``get_mla_metadata_info_v1``, ``get_mla_metadata_v1`` (aiter/ops/
+attention.py) and ``aiter.mla.mla_decode_fwd`` (aiter/mla.py), so a wrong argument name or count fails here; it
+records every call, checks the shapes and dtypes of what it is given, and its decode writes the exact attention of
+the fp8 values it reads (so the bench's --check path can be checked too). ``torch.version.hip`` is monkeypatched.
+"""
+
+import argparse
+import inspect
+import math
+import os
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+import bench
+from mla.inputs import make_ragged_inputs
+from mla.reference import mla_decode_reference
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE_CU_NUM = 80
+
+
+# ------------------------------------------------------------------------------------------------ the fake aiter
+
+
+class FakeAiter:
+    """A fake amd-aiter: ``module`` (aiter) and ``mla`` (aiter.mla), the calls made, in order, in ``calls``."""
+
+    def __init__(self, fp8=torch.float8_e4m3fnuz, fail_decode=False):
+        self.fp8 = fp8
+        self.fail_decode = fail_decode
+        self.calls = []  # (name, inspect.BoundArguments)
+        self.module = types.ModuleType("aiter")
+        self.module.__path__ = []  # a package, like the real one
+        self.module.__file__ = "/fake/aiter/__init__.py"
+        self.module.dtypes = types.SimpleNamespace(fp8=fp8, bf16=torch.bfloat16)
+        self.mla = types.ModuleType("aiter.mla")
+        self.module.mla = self.mla
+        for name in ("get_mla_metadata_info_v1", "get_mla_metadata_v1"):
+            setattr(self.module, name, getattr(self, name))
+        self.mla.mla_decode_fwd = self.mla_decode_fwd
+
+    def install(self, monkeypatch):
+        monkeypatch.setitem(sys.modules, "aiter", self.module)
+        monkeypatch.setitem(sys.modules, "aiter.mla", self.mla)
+        return self
+
+    def record(self, name, fn, args, kwargs):
+        bound = inspect.signature(fn).bind(*args, **kwargs)  # TypeError on a wrong name or count, as the real one
+        bound.apply_defaults()
+        self.calls.append((name, bound.arguments))
+        return bound.arguments
+
+    # Signatures as in ROCm/aiter (aiter/ops/attention.py, aiter/mla.py); the bodies are fakes.
+
+    def get_mla_metadata_info_v1(self, *args, **kwargs):
+        def signature(batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse, fast_mode=True,
+                      num_kv_splits=32, intra_batch_mode=False, max_split_per_batch=-1):
+            pass
+
+        a = self.record("get_mla_metadata_info_v1", signature, args, kwargs)
+        assert a["num_head_qo"] % 8 == 0  # aiter asserts this
+        tiles = a["batch_size"] * math.ceil(a["max_seqlen_qo"] * a["num_head_qo"] / 128)
+        splits = a["num_kv_splits"]
+        return (
+            ((2), torch.uint64),  # work_metadata_ptrs
+            (FAKE_CU_NUM + 1, torch.int32),  # work_indptr
+            ((tiles * splits, 8), torch.int32),  # work_info_set
+            ((tiles + 1), torch.int32),  # reduce_indptr
+            ((tiles, 2), torch.int32),  # reduce_final_map
+            (tiles * splits, torch.int32),  # reduce_partial_map
+        )
+
+    def get_mla_metadata_v1(self, *args, **kwargs):
+        def signature(seqlens_qo_indptr, seqlens_kv_indptr, kv_last_page_lens, num_heads_per_head_k, num_heads_k,
+                      is_causal, work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr, reduce_final_map,
+                      reduce_partial_map, page_size=1, kv_granularity=16, max_seqlen_qo=-1, uni_seqlen_qo=-1,
+                      fast_mode=True, topk=-1, max_split_per_batch=-1, intra_batch_mode=False,
+                      is_cp_round_robin=False, mla_version=0, dtype_q_nope=None, dtype_q_rope=None,
+                      dtype_kv_nope=None, dtype_kv_rope=None, dtype_q=None, dtype_kv=None):
+            pass
+
+        a = self.record("get_mla_metadata_v1", signature, args, kwargs)
+        # The buffers in the order this function takes them (work_info_set before work_indptr).
+        assert a["work_metadata_ptrs"].shape == (2,) and a["work_metadata_ptrs"].dtype == torch.uint64
+        assert a["work_info_set"].dim() == 2 and a["work_info_set"].shape[1] == 8
+        assert a["work_indptr"].shape == (FAKE_CU_NUM + 1,)
+        assert a["reduce_final_map"].dim() == 2 and a["reduce_final_map"].shape[1] == 2
+        for name in ("work_info_set", "work_indptr", "reduce_indptr", "reduce_final_map", "reduce_partial_map"):
+            a[name].fill_(7)  # "filled in place"
+
+    def mla_decode_fwd(self, *args, **kwargs):
+        def signature(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
+                      page_size=1, nhead_kv=1, sm_scale=None, logit_cap=0.0, num_kv_splits=None,
+                      num_kv_splits_indptr=None, work_meta_data=None, work_indptr=None, work_info_set=None,
+                      reduce_indptr=None, reduce_final_map=None, reduce_partial_map=None, q_scale=None,
+                      kv_scale=None, intra_batch_mode=False, return_logits=False, return_lse=False,
+                      g_kv_indptr=None, cp_world_size=1, cp_rank=0, causal=True):
+            pass
+
+        a = self.record("mla_decode_fwd", signature, args, kwargs)
+        if self.fail_decode:
+            raise RuntimeError("fake aiter: no kernel for this shape")
+        q, kv, o = a["q"], a["kv_buffer"], a["o"]
+        total_kv = kv.shape[0]
+        assert q.dtype == self.fp8 and kv.dtype == self.fp8
+        assert kv.dim() == 4 and kv.shape[1:] == (1, 1, 576)  # (pages, page_size 1, 1 kv head, 576)
+        assert q.dim() == 3 and q.shape[2] == 576
+        assert o.shape == (q.shape[0], q.shape[1], 512) and o.dtype == torch.bfloat16
+        for name in ("q_scale", "kv_scale"):
+            assert a[name].shape == (1,) and a[name].dtype == torch.float32
+        assert torch.equal(a["kv_indices"], torch.arange(total_kv, dtype=torch.int32))
+        ref, _ = mla_decode_reference(q.float() * a["q_scale"], kv.reshape(total_kv, 1, 576).float() * a["kv_scale"],
+                                      a["qo_indptr"], a["kv_indptr"], sm_scale=a["sm_scale"], causal=True)
+        o.copy_(ref)
+        return None, None  # (logits, lse), unused by the bench
+
+    def names(self):
+        return [name for name, _ in self.calls]
+
+    def call(self, name):
+        return next(arguments for n, arguments in self.calls if n == name)
+
+
+@pytest.fixture
+def on_rocm(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.3.0-fake")
+
+
+def aiter_peer(fake):
+    module, reason = bench.load_aiter()
+    assert reason is None and module is fake.module
+    return bench.Peer(bench.AITER, module=module)
+
+
+# ------------------------------------------------------------------------------------------------ detection
+
+
+def test_not_on_rocm_does_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setitem(sys.modules, "aiter", None)  # any attempt to import aiter would now raise ImportError
+    assert bench.load_aiter() == (None, "not on ROCm")
+    assert bench.setup_aiter_peer() is None
+    assert bench.aiter_status(None) == "aiter: not on ROCm"
+    monkeypatch.setattr(bench, "load_flashinfer", lambda: (None, "no flashinfer here"))
+    peers = bench.setup_peers("cpu")
+    assert [p.name for p in peers] == list(bench.PEERS)
+    bench.print_peers(peers, argparse.Namespace(no_peers=False))
+    out = capsys.readouterr().out
+    assert "aiter: not on ROCm" in out.splitlines()
+
+
+def test_import_failure_is_unavailable(monkeypatch, on_rocm):
+    monkeypatch.setitem(sys.modules, "aiter", None)
+    peer = bench.setup_aiter_peer()
+    assert peer.name == "aiter" and peer.module is None
+    assert peer.reason.startswith("unavailable: import aiter failed: ")
+    assert bench.aiter_status(peer).startswith("aiter: unavailable: ")
+
+
+def test_pypi_aiter_is_the_wrong_package(monkeypatch, on_rocm):
+    unrelated = types.ModuleType("aiter")  # PyPI's aiter: a plain module, no aiter.mla
+    unrelated.__file__ = "/site-packages/aiter.py"
+    monkeypatch.setitem(sys.modules, "aiter", unrelated)
+    monkeypatch.delitem(sys.modules, "aiter.mla", raising=False)
+    peer = bench.setup_aiter_peer()
+    assert peer.reason.startswith("wrong package")
+    assert bench.aiter_status(peer).startswith("aiter: wrong package")
+
+
+def test_aiter_without_persistent_metadata_is_unavailable(monkeypatch, on_rocm):
+    fake = FakeAiter().install(monkeypatch)
+    monkeypatch.delattr(fake.module, "get_mla_metadata_info_v1")
+    _, reason = bench.load_aiter()
+    assert reason.startswith("unavailable: amd-aiter too old") and "get_mla_metadata_info_v1" in reason
+
+
+def test_amd_aiter_is_detected(monkeypatch, on_rocm, capsys):
+    fake = FakeAiter().install(monkeypatch)
+    monkeypatch.setattr(bench, "load_flashinfer", lambda: (None, "no flashinfer on ROCm"))
+    peers = bench.setup_peers("cpu")
+    assert [p.name for p in peers] == [*bench.PEERS, "aiter"]
+    assert peers[-1].module is fake.module and peers[-1].reason is None
+    bench.print_peers(peers, argparse.Namespace(no_peers=False))
+    assert "aiter: amd-aiter " in capsys.readouterr().out
+    assert fake.calls == []  # detection calls nothing
+
+
+# ------------------------------------------------------------------------------------------------ the call sequence
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fnuz, torch.float8_e4m3fn], ids=["gfx942_fnuz", "gfx950_fn"])
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 1), (16, 2)])
+def test_call_sequence(monkeypatch, on_rocm, fp8, heads, q_len):
+    fake = FakeAiter(fp8=fp8).install(monkeypatch)
+    kv_lens = [5, 40, 17]
+    data = make_ragged_inputs(kv_lens, q_len, num_heads=heads, seed=3, device="cpu")
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    batch, total_q, total_kv = len(kv_lens), q.shape[0], sum(kv_lens)
+
+    fn, ref_fn = bench.aiter_callable(aiter_peer(fake), data, heads)
+    assert fake.names() == ["get_mla_metadata_info_v1", "get_mla_metadata_v1"]  # setup, untimed
+
+    info = fake.call("get_mla_metadata_info_v1")
+    assert (info["batch_size"], info["max_seqlen_qo"], info["num_head_qo"]) == (batch, q_len, heads)
+    assert info["q_dtype"] == fp8 and info["kv_dtype"] == fp8
+    assert info["is_sparse"] is False and info["fast_mode"] is False
+    assert info["num_kv_splits"] == 32 and info["intra_batch_mode"] is True
+
+    meta = fake.call("get_mla_metadata_v1")
+    assert torch.equal(meta["seqlens_qo_indptr"], qo_indptr) and torch.equal(meta["seqlens_kv_indptr"], kv_indptr)
+    assert meta["seqlens_qo_indptr"].dtype == torch.int32 and meta["seqlens_kv_indptr"].dtype == torch.int32
+    assert torch.equal(meta["kv_last_page_lens"], torch.ones(batch, dtype=torch.int32))  # page size 1
+    assert (meta["num_heads_per_head_k"], meta["num_heads_k"], meta["is_causal"]) == (heads, 1, True)
+    assert (meta["page_size"], meta["kv_granularity"]) == (1, 16)
+    assert (meta["max_seqlen_qo"], meta["uni_seqlen_qo"]) == (q_len, q_len)
+    assert meta["fast_mode"] is False and meta["max_split_per_batch"] == 32 and meta["intra_batch_mode"] is True
+    assert meta["dtype_q"] == fp8 and meta["dtype_kv"] == fp8
+
+    out = fn()  # the timed call
+    assert fake.names()[-1] == "mla_decode_fwd" and len(fake.calls) == 3
+    dec = fake.call("mla_decode_fwd")
+    assert dec["q"].shape == (total_q, heads, 576) and dec["kv_buffer"].shape == (total_kv, 1, 1, 576)
+    assert dec["o"] is out and out.shape == (total_q, heads, 512)
+    assert dec["max_seqlen_q"] == q_len and dec["kv_last_page_lens"] is meta["kv_last_page_lens"]
+    assert (dec["page_size"], dec["nhead_kv"], dec["num_kv_splits"]) == (1, 1, 32)
+    assert dec["sm_scale"] == pytest.approx(1 / math.sqrt(576)) and dec["logit_cap"] == 0.0
+    assert dec["intra_batch_mode"] is True
+    # The work buffers are the very tensors get_mla_metadata_v1 filled.
+    for dec_name, meta_name in (("work_meta_data", "work_metadata_ptrs"), ("work_indptr", "work_indptr"),
+                                ("work_info_set", "work_info_set"), ("reduce_indptr", "reduce_indptr"),
+                                ("reduce_final_map", "reduce_final_map"),
+                                ("reduce_partial_map", "reduce_partial_map")):
+        assert dec[dec_name] is meta[meta_name], dec_name
+    # Per-tensor quantization to aiter's fp8 dtype: the scales are amax / finfo.max of the bf16 tensors.
+    fp8_max = torch.finfo(fp8).max
+    assert dec["q_scale"].item() == pytest.approx(q.abs().amax().float().item() / fp8_max, rel=1e-2)
+    assert dec["kv_scale"].item() == pytest.approx(kv_data["bf16"].abs().amax().float().item() / fp8_max, rel=1e-2)
+    if fp8 == kv_data["fp8"][0].dtype:  # the harness's fp8 cache is reused, not requantized
+        assert dec["kv_buffer"].data_ptr() == kv_data["fp8"][0].data_ptr()
+
+    fn()  # repeated calls reuse the setup: one more decode, no more metadata
+    assert fake.names().count("mla_decode_fwd") == 2 and fake.names().count("get_mla_metadata_v1") == 1
+
+    # The check's reference is on the same fp8 values; and close to the exact bf16 attention.
+    ref = ref_fn()
+    assert ref.shape == out.shape
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    exact, _ = mla_decode_reference(q, kv_data["bf16"], qo_indptr, kv_indptr, causal=True)
+    assert ((ref - exact).norm() / exact.norm()).item() < 0.1
+
+
+def test_heads_not_multiple_of_8_fail_in_setup(monkeypatch, on_rocm):
+    fake = FakeAiter().install(monkeypatch)
+    data = make_ragged_inputs([4, 4], 1, num_heads=16, device="cpu")
+    with pytest.raises(ValueError, match="16"):
+        bench.aiter_callable(aiter_peer(fake), data, heads=12)  # q has 16 heads
+
+
+# ------------------------------------------------------------------------------------------------ rows
+
+
+def cpu_timer(fn, *, reps, warmup, flush):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return times
+
+
+def run_bench_peers(monkeypatch, fake, check=True):
+    monkeypatch.setattr(bench, "time_call_us", cpu_timer)
+    args = argparse.Namespace(q_len=1, heads=16, reps=3, check=check)
+    peers = [bench.Peer("fa3", reason="no flashinfer"), aiter_peer(fake)]
+    b = bench.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=peers)
+    case = bench.Case("ragged3", (5, 40, 17))
+    data = make_ragged_inputs(list(case.kv_lens), 1, num_heads=16, device="cpu")
+    return case, bench.bench_peers(b, case, data, bench.reference_fns(data)["bf16"])
+
+
+def test_bench_peers_times_aiter(monkeypatch, on_rocm, capsys):
+    fake = FakeAiter().install(monkeypatch)
+    case, rows = run_bench_peers(monkeypatch, fake)
+    assert [r["impl"] for r in rows] == ["aiter"]  # fa3 is unavailable: said once in the header, no row
+    row = rows[0]
+    assert row["kind"] == "peer" and row["reps"] == 3 and "error" not in row
+    assert row["bytes_read"] == bench.bytes_moved(case.batch, case.mean_kv_len, 1, 16, "a8w8")
+    assert row["check_ok"] and row["rel_l2"] < 1e-2
+    assert fake.names().count("get_mla_metadata_v1") == 1
+    assert fake.names().count("mla_decode_fwd") == 1 + bench.WARMUP_CALLS + 3  # check call, warm-up, reps
+    assert "aiter" in capsys.readouterr().out
+    assert bench.timed_impls(rows, ("peer",)) == ["aiter"]
+
+
+def test_bench_peers_reports_aiter_failure_and_goes_on(monkeypatch, on_rocm):
+    fake = FakeAiter(fail_decode=True).install(monkeypatch)
+    _, rows = run_bench_peers(monkeypatch, fake, check=False)
+    assert rows[0]["error"].startswith("RuntimeError: fake aiter")
+    assert "unavailable: RuntimeError: fake aiter" in bench.format_row(rows[0])
+
+    fake = FakeAiter().install(monkeypatch)
+
+    def older_metadata(*args, page_size=1, kv_granularity=16, max_seqlen_qo=-1, uni_seqlen_qo=-1, fast_mode=True,
+                       max_split_per_batch=-1, intra_batch_mode=False):  # an aiter without dtype_q / dtype_kv
+        raise AssertionError("not reached")
+
+    peer = aiter_peer(fake)
+    monkeypatch.setattr(fake.module, "get_mla_metadata_v1", older_metadata)  # setup itself fails
+    monkeypatch.setattr(bench, "load_aiter", lambda: (peer.module, None))
+    _, rows = run_bench_peers(monkeypatch, fake, check=False)
+    assert rows[0]["error"].startswith("setup failed: TypeError")
+    assert bench.format_row(rows[0]).split("aiter", 1)[1].strip().startswith("unavailable: setup failed")
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+@pytest.mark.parametrize("argv", [["bench.py", "--help"], ["-c", "import bench"]], ids=["help", "import"])
+def test_command_line(argv):
+    result = subprocess.run([sys.executable, *argv], cwd=REPO_DIR, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    if "--help" in argv:
+        assert "AMD aiter" in result.stdout and "--no-peers" in result.stdout
