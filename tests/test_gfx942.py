@@ -1,0 +1,235 @@
+"""CI gate for AMD gfx942 (MI300X): every kernel variant the op can dispatch there lowers to HIP, on the CPU.
+
+No ROCm and no GPU are needed: ``tilelang.lower`` generates the HIP source without running a device compiler.
+For every problem class (heads 16/32/64/128 x q_tile 1/2/4 x causal on/off, flat KV cache; plus the default class
+over each supported page size of a paged cache) the schedule must produce a config (``schedule.kernel_variants``),
+and for each distinct kernel (deduplicated by ``cfg.name``: every mode's split and direct decode kernel, and the
+combine kernel) we check that:
+  1. it lowers, and the decode GEMMs (Q K^T latent, Q K^T rope, P V) run on MFMA (``__builtin_amdgcn_mfma_*``);
+  2. the dynamic LDS the compiler allocated (``dyn_shared_memory_buf``) fits gfx942's 64 KiB, and the
+     ``DecodeKernelConfig.shared_bytes`` estimate the schedule sizes tiles with is within ``LDS_ESTIMATE_SLACK`` of it;
+  3. fp8 kernels use the fnuz flavour (config, kernel signature, and for in-kernel Q quantization the fnuz range);
+  4. the source is HIP, with no CUDA-isms (wgmma, mma.sync, cp.async, ...).
+
+What this does NOT check: that the kernels compile with hipcc/ROCm, run, or are correct on an MI300X.
+
+Each variant is lowered once per session (``_lowered`` caches the outcome, failures included), ~2 s each (paged
+mxfp4 ~5 s) on a 2-core box: minutes for the full grid (~10 once every class has a config).
+``MLA_GFX942_GRID=default`` restricts it to the default class (16 heads, q_tile 1, non-causal, flat cache: 9 kernels)
+for a quick local run. CI runs the full grid.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+from typing import NamedTuple
+
+import pytest
+
+from mla import jit, schedule
+from mla.decode import SUPPORTED_PAGE_SIZES
+from mla.target import spec_for_name
+from tl_kernels.mla_combine import CombineKernelConfig
+from tl_kernels.mla_decode import FP8_MAX, DecodeKernelConfig
+
+GFX942 = spec_for_name("gfx942")
+FNUZ = "float8_e4m3fnuz"
+LDS_LIMIT = 64 * 1024
+# |compiler's LDS - DecodeKernelConfig.shared_bytes| allowed: alignment and reduction scratch are approximated.
+LDS_ESTIMATE_SLACK = 4 * 1024
+GEMMS_PER_DECODE_KERNEL = 3  # S = Q K^T (latent), S += Qpe Kpe^T (rope), O += P V
+CUDA_ISMS = ("wgmma", "mma.sync", "mma_sync", "cp.async", "cp_async", "ldmatrix", "tl_templates/cuda", "cuda_fp8", "__nv_")
+
+HEADS = (16, 32, 64, 128)
+Q_TILES = (1, 2, 4)
+CAUSAL = (False, True)
+DEFAULT_CLASS = (16, 1, False, 0)  # (heads, q_tile, causal, page_size); page_size 0: flat KV cache
+
+
+def _class_id(heads: int, q_tile: int, causal: bool, page_size: int) -> str:
+    return f"gfx942_h{heads}_qt{q_tile}{'_causal' if causal else ''}{f'_page{page_size}' if page_size else ''}"
+
+
+def _class_variants(heads: int, q_tile: int, causal: bool, page_size: int) -> list:
+    """Every kernel the op may launch for one problem class (kernel_variants, which builds flat-cache kernels)."""
+    if not page_size:
+        return schedule.kernel_variants(GFX942, num_heads=heads, q_tile=q_tile, causal=causal)
+    return [
+        schedule.decode_config(
+            GFX942, kv_format=kv_format, q_format=q_format, num_heads=heads, q_tile=q_tile, causal=causal, split=split,
+            page_size=page_size,
+        )
+        for kv_format, q_format in schedule.MODES.values()
+        for split in (True, False)
+    ] + [schedule.combine_config(GFX942, num_heads=heads)]
+
+
+def _build_grid():
+    """(class params, class build errors, default variants, extended variants): the variants deduplicated by name,
+    the default class's first. A class whose config the schedule cannot build contributes no variant; test_problem_class_has_config
+    fails for it."""
+    classes, variants, errors = [], {}, {}
+    flat = [(h, qt, c, 0) for h, qt, c in itertools.product(HEADS, Q_TILES, CAUSAL)]
+    paged = [DEFAULT_CLASS[:3] + (page_size,) for page_size in SUPPORTED_PAGE_SIZES]
+    order = [DEFAULT_CLASS] + [c for c in flat + paged if c != DEFAULT_CLASS]
+    for problem_class in order:
+        try:
+            cfgs = _class_variants(*problem_class)
+        except Exception as exc:  # reported by test_problem_class_has_config, not hidden
+            errors[problem_class] = f"{type(exc).__name__}: {exc}"
+            cfgs = []
+        classes.append(pytest.param(*problem_class, id=_class_id(*problem_class)))
+        for cfg in cfgs:
+            variants.setdefault(cfg.name, (cfg, problem_class == DEFAULT_CLASS))
+    default = [cfg for cfg, is_default in variants.values() if is_default]
+    extended = [cfg for cfg, is_default in variants.values() if not is_default]
+    return classes, errors, default, extended
+
+
+CLASSES, CLASS_ERRORS, DEFAULT_VARIANTS, EXTENDED_VARIANTS = _build_grid()
+if os.environ.get("MLA_GFX942_GRID", "full") == "default":
+    CLASSES = [p for p in CLASSES if tuple(p.values) == DEFAULT_CLASS]
+    EXTENDED_VARIANTS = []
+VARIANTS = DEFAULT_VARIANTS + EXTENDED_VARIANTS
+DECODE_VARIANTS = [cfg for cfg in VARIANTS if isinstance(cfg, DecodeKernelConfig)]
+FP8_VARIANTS = [cfg for cfg in DECODE_VARIANTS if cfg.kv_format == "fp8" or cfg.q_format in ("fp8", "fp8_codes")]
+
+
+def _params(cfgs):
+    return pytest.mark.parametrize("cfg", cfgs, ids=[cfg.name for cfg in cfgs])
+
+
+class Lowered(NamedTuple):
+    source: str
+    lds_bytes: int  # dyn_shared_memory_buf of the device function
+    fp8_pointer_params: dict  # device-function pointer parameter name -> element dtype, for fp8 pointers
+    host_param_dtypes: list  # dtype of each host-visible kernel argument, in prim_func order
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered(cfg) -> tuple[Lowered | None, str | None]:
+    """Lowers ``cfg`` for gfx942 once per session; returns (result, None) or (None, the error's last line)."""
+    try:
+        artifact = jit.lower(cfg, GFX942)
+    except Exception as exc:
+        # The error's last line; TileLang's layout errors end in indented detail lines, so lead with their headline.
+        lines = [line.rstrip() for line in str(exc).strip().splitlines() if line.strip()] or [repr(exc)]
+        headlines = [line for line in lines if not line[0].isspace()]
+        summary = lines[-1].strip() if not headlines or headlines[-1] == lines[-1] else f"{headlines[-1]} ... {lines[-1].strip()}"
+        return None, f"{type(exc).__name__}: {summary}"
+    fp8_pointers = {}
+    for func in artifact.device_mod.functions.values():
+        for param in func.params:
+            element = getattr(getattr(param, "type_annotation", None), "element_type", None)
+            dtype = str(getattr(element, "dtype", ""))
+            if dtype.startswith("float8"):
+                fp8_pointers[param.name] = dtype
+    return (
+        Lowered(
+            source=str(artifact.kernel_source),
+            lds_bytes=jit.lowered_lds_bytes(artifact),
+            fp8_pointer_params=fp8_pointers,
+            host_param_dtypes=[str(p.dtype) for p in artifact.params],
+        ),
+        None,
+    )
+
+
+def lowered(cfg) -> Lowered:
+    result, error = _lowered(cfg)
+    if error is not None:
+        pytest.fail(f"{cfg.name} does not lower for gfx942: {error}", pytrace=False)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_grid_is_not_empty():
+    assert DEFAULT_VARIANTS, "the default class (16 heads, q_tile 1, non-causal) produced no kernel variant"
+    assert any(isinstance(cfg, CombineKernelConfig) for cfg in DEFAULT_VARIANTS)
+    modes = {(cfg.kv_format, cfg.q_format) for cfg in DEFAULT_VARIANTS if isinstance(cfg, DecodeKernelConfig)}
+    assert modes == set(schedule.MODES.values()), f"modes covered {modes} != schedule.MODES"
+
+
+@pytest.mark.parametrize("heads, q_tile, causal, page_size", CLASSES)
+def test_problem_class_has_config(heads, q_tile, causal, page_size):
+    """The schedule can build every kernel of this problem class for gfx942 (it raises when no tile fits)."""
+    error = CLASS_ERRORS.get((heads, q_tile, causal, page_size))
+    if error is not None:
+        pytest.fail(
+            f"kernel configs for gfx942, num_heads={heads}, q_tile={q_tile}, causal={causal}, page_size={page_size}: {error}",
+            pytrace=False,
+        )
+
+
+@_params(VARIANTS)
+def test_lowers(cfg):
+    src = lowered(cfg).source
+    assert "__global__" in src
+
+
+@_params(DECODE_VARIANTS)
+def test_config_is_gfx942_config(cfg):
+    """The per-target values of mla/target.py and mla/schedule.py reached the config."""
+    assert cfg.fp8_dtype == FNUZ == GFX942.fp8_tl_dtype
+    assert not cfg.stage_compressed, "gfx942 has no async copy to LDS: compressed tiles must not be staged"
+    assert cfg.threads % GFX942.warp_size == 0, f"{cfg.threads} threads is not a whole number of wave64s"
+    assert cfg.shared_bytes <= GFX942.smem_bytes == LDS_LIMIT
+
+
+@_params(DECODE_VARIANTS)
+def test_gemms_use_mfma(cfg):
+    src = lowered(cfg).source
+    calls = re.findall(r"__builtin_amdgcn_mfma_\w+", src)
+    assert len(calls) >= GEMMS_PER_DECODE_KERNEL, (
+        f"{cfg.name}: {len(calls)} MFMA call sites for {GEMMS_PER_DECODE_KERNEL} GEMMs: some GEMM is not on MFMA"
+    )
+
+
+@_params(VARIANTS)
+def test_lds_fits_gfx942(cfg):
+    result = lowered(cfg)
+    static = [line.strip() for line in result.source.splitlines() if "__shared__" in line and not line.lstrip().startswith("extern")]
+    assert not static, f"{cfg.name}: static __shared__ buffers, LDS not counted in dyn_shared_memory_buf: {static}"
+    assert result.lds_bytes <= LDS_LIMIT, f"{cfg.name}: needs {result.lds_bytes} B of LDS, gfx942 has {LDS_LIMIT}"
+    if isinstance(cfg, DecodeKernelConfig):
+        assert abs(result.lds_bytes - cfg.shared_bytes) <= LDS_ESTIMATE_SLACK, (
+            f"{cfg.name}: compiler allocates {result.lds_bytes} B of LDS, DecodeKernelConfig.shared_bytes "
+            f"estimates {cfg.shared_bytes} B"
+        )
+
+
+@_params(FP8_VARIANTS)
+def test_fp8_is_fnuz(cfg):
+    """gfx942's fp8 is e4m3fnuz: the kernel must take and produce fnuz bytes (OCP e4m3fn bytes read as fnuz are
+    silently wrong). On HIP both flavours print as ``fp8_e4_t`` (TileLang's hip_fp8.h makes it fnuz on gfx942),
+    so the flavour is checked on the lowered IR and on the fnuz-only constants."""
+    assert cfg.fp8_dtype == FNUZ
+    result = lowered(cfg)
+    assert all(dtype == FNUZ for dtype in result.fp8_pointer_params.values()), result.fp8_pointer_params
+    # Every fp8 pointer argument is a fp8_e4_t* in the HIP kernel signature.
+    for name in result.fp8_pointer_params:
+        assert re.search(rf"\bfp8_e4_t\* __restrict__ {name}\b", result.source), f"{name} is not a fp8_e4_t* argument"
+    # The host entry point (which checks each tensor's dtype) takes fp8 arguments as e4m3fnuz, never e4m3fn.
+    assert "float8_e4m3fn" not in result.host_param_dtypes, result.host_param_dtypes
+    if cfg.kv_format == "fp8" or cfg.q_format == "fp8_codes":
+        assert FNUZ in result.host_param_dtypes, f"no e4m3fnuz kernel argument: {result.host_param_dtypes}"
+        assert result.fp8_pointer_params, "fp8 input is not read through an fp8 pointer"
+    if cfg.q_format == "fp8":
+        # a8w8 quantizes Q in the kernel: converts to fp8_e4_t, scaled and clamped to the fnuz range (+-240).
+        assert "(fp8_e4_t)" in result.source, "no conversion to fp8_e4_t: Q is not quantized in the kernel"
+        fnuz_max, ocp_max = f"{FP8_MAX[FNUZ]:.6e}f", f"{FP8_MAX['float8_e4m3fn']:.6e}f"
+        assert fnuz_max in result.source, f"Q is not clamped to the fnuz range ({fnuz_max} absent)"
+        assert ocp_max not in result.source, f"the OCP e4m3fn range ({ocp_max}) leaked into a gfx942 kernel"
+
+
+@_params(VARIANTS)
+def test_source_is_hip(cfg):
+    src = lowered(cfg).source
+    assert "#include <hip/hip_runtime.h>" in src
+    leaked = [token for token in CUDA_ISMS if token in src]
+    assert not leaked, f"{cfg.name}: CUDA-isms in the HIP source: {leaked}"
