@@ -1,0 +1,225 @@
+"""Shared helpers of the GPU tests: run a mode, its fp32 reference, poisoned buffers, an informative comparison,
+and a parallel pre-build of the kernel variants a test module will launch.
+
+Importing this module needs neither a GPU nor TileLang (the pre-build imports them in worker processes).
+
+Tolerances (as in test_decode_gpu.py): the kernel rounds P to bf16 before P V and rounds the output to bf16;
+relative L2 error <= 1e-2 (bf16) / 2e-2 (quantized modes, against the reference on the *dequantized* inputs),
+max abs error <= 2% of max |ref|; LSE within 1e-3 (abs + rel) where finite, -inf exactly where the reference is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+
+import torch
+
+from mla import formats
+from mla.reference import mla_decode_reference
+
+MODES = ["bf16", "fp8", "a8w8", "mxfp4"]  # KV format (+ Q precision for a8w8)
+REL_L2 = {"bf16": 1e-2, "fp8": 2e-2, "a8w8": 2e-2, "mxfp4": 2e-2}
+MAX_ABS_FRACTION = 2e-2  # of max |ref|
+LSE_TOL = 1e-3  # abs + rel
+MODE_FORMATS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "bf16"), "a8w8": ("fp8", "fp8"), "mxfp4": ("mxfp4", "bf16")}
+
+
+def run_mode(decode, mode, data, **kwargs):
+    """``decode`` (mla.decode.mla_decode or mla.ops.mla_decode) on the harness-style ``data`` in ``mode``."""
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    if mode == "bf16":
+        return decode(q, kv_data["bf16"], qo_indptr, kv_indptr, **kwargs)
+    if mode in ("fp8", "a8w8"):
+        kv, scale = kv_data["fp8"]
+        return decode(q, kv, qo_indptr, kv_indptr, kv_scale=scale, q_format="fp8" if mode == "a8w8" else "bf16", **kwargs)
+    kv, block_scale = kv_data["mxfp4"]
+    return decode(q, kv, qo_indptr, kv_indptr, kv_block_scale=block_scale, **kwargs)
+
+
+def reference_for(mode, data, *, causal=False, sm_scale=None):
+    """fp32 reference on exactly the values the kernel sees (dequantized KV; quantized Q for a8w8)."""
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    fmt = "fp8" if mode == "a8w8" else mode
+    kv = formats.dequantize_kv(kv_data[fmt], fmt)
+    if mode == "a8w8":
+        q = formats.dequantize_fp8(*formats.quantize_fp8(q))
+    return mla_decode_reference(q, kv, qo_indptr, kv_indptr, causal=causal, sm_scale=sm_scale)
+
+
+def poisoned(shape, dtype, device="cuda"):
+    return torch.full(shape, math.nan, dtype=dtype, device=device)
+
+
+def q_tile_for(q_lens) -> int:
+    """Query tokens per CTA the op picks for these query lengths (mirrors mla.decode: from the mean q_len)."""
+    batch, total_q = len(q_lens), sum(q_lens)
+    return 1 if total_q <= batch else (2 if total_q <= 2 * batch else 4)
+
+
+def lengths(indptr: torch.Tensor) -> list[int]:
+    return torch.diff(indptr.cpu()).tolist()
+
+
+def describe_lengths(values: list[int], limit: int = 12) -> str:
+    if len(values) <= limit:
+        return str(values)
+    return f"[{', '.join(map(str, values[:limit]))}, ...] ({len(values)} seqs, min {min(values)}, max {max(values)}, sum {sum(values)})"
+
+
+# --- comparison ---------------------------------------------------------------------------------------------
+
+
+def check_against_reference(out, ref_out, mode, qo_indptr, kv_indptr, *, lse=None, ref_lse=None, seqs=None,
+                            context=""):
+    """Compares the kernel's output (and LSE) with the reference; fails with every violated criterion, naming
+    the worst sequences with their q_len / kv_len.
+
+    out: (total_q, H, 512) bf16; ref_out: fp32. lse / ref_lse: (total_q, H) or None. seqs: the sequences to
+    check (default: all); rows of other sequences are ignored (e.g. deliberately poisoned ones).
+    """
+    problems = []
+    if out.dtype != torch.bfloat16 or out.shape != ref_out.shape:
+        raise AssertionError(f"{context}: out is {out.dtype} {tuple(out.shape)}, expected bf16 {tuple(ref_out.shape)}")
+    q_lens, kv_lens = lengths(qo_indptr), lengths(kv_indptr)
+    batch, heads = len(q_lens), out.shape[1]
+    device = out.device
+    seq_of_row = torch.repeat_interleave(torch.arange(batch, device=device), torch.tensor(q_lens, device=device))
+    keep = torch.ones(batch, dtype=torch.bool, device=device)
+    if seqs is not None:
+        keep[:] = False
+        keep[torch.tensor(list(seqs), dtype=torch.long, device=device)] = True
+    rows = keep[seq_of_row]
+    if not bool(rows.any()):
+        return
+    o, r, sid = out[rows].float(), ref_out[rows].float(), seq_of_row[rows]
+    row_ids = rows.nonzero().flatten().tolist()  # kept row -> row of out
+    q_starts = [0, *itertools.accumulate(q_lens)]
+
+    def where(row_head):  # (row, head) index within the kept rows -> readable location
+        row, head = (int(x) for x in row_head)
+        b = int(sid[row])
+        query = row_ids[row] - q_starts[b]
+        return f"seq {b} (q_len {q_lens[b]}, kv_len {kv_lens[b]}) query {query} head {head} (out row {row_ids[row]})"
+
+    nonfinite = ~torch.isfinite(o).all(dim=-1)  # (rows, H)
+    if nonfinite.any():
+        bad = nonfinite.nonzero().tolist()
+        problems.append(
+            f"NaN/inf in {len(bad)} (query, head) output rows (unwritten or poisoned data read), first at {where(bad[0])}"
+        )
+        o = torch.nan_to_num(o, nan=0.0, posinf=0.0, neginf=0.0)
+
+    err = o - r
+    ref_norm = r.norm().item()
+    rel_l2 = err.norm().item() / max(ref_norm, 1e-30)
+    if rel_l2 > REL_L2[mode]:
+        problems.append(f"relative L2 error {rel_l2:.2e} > {REL_L2[mode]:.0e}")
+    abs_err = err.abs().amax(dim=-1)  # (rows, H)
+    bound = MAX_ABS_FRACTION * r.abs().max().item() + 1e-6
+    if abs_err.numel() and abs_err.max().item() > bound:
+        worst = divmod(int(abs_err.argmax()), heads)
+        problems.append(f"max abs error {abs_err.max().item():.3e} > {bound:.3e} at {where(worst)}")
+
+    # Per sequence: relative L2 over its rows (a wrong small sequence must not hide in a large batch).
+    err2 = torch.zeros(batch, device=device, dtype=torch.float64).index_add_(0, sid, err.double().square().sum((1, 2)))
+    ref2 = torch.zeros(batch, device=device, dtype=torch.float64).index_add_(0, sid, r.double().square().sum((1, 2)))
+    seq_rel = torch.where(ref2 > 0, (err2 / ref2.clamp_min(1e-300)).sqrt(), torch.zeros_like(ref2))
+    bad_seqs = (seq_rel > REL_L2[mode]).nonzero().flatten().tolist()
+    if bad_seqs:
+        worst = sorted(bad_seqs, key=lambda b: -seq_rel[b].item())[:5]
+        detail = ", ".join(f"seq {b} (q_len {q_lens[b]}, kv_len {kv_lens[b]}): {seq_rel[b].item():.2e}" for b in worst)
+        problems.append(f"{len(bad_seqs)} sequences over relative L2 {REL_L2[mode]:.0e}; worst: {detail}")
+
+    if ref_lse is not None:
+        rl = ref_lse[rows].float()
+        hidden = torch.isneginf(rl)  # (rows, H): the query sees no KV token
+        if hidden.any():
+            nonzero = hidden & (out[rows].float() != 0).any(dim=-1)
+            if nonzero.any():
+                problems.append(
+                    f"{int(nonzero.sum())} (query, head) rows that see no KV token are not exactly 0, first at "
+                    f"{where(nonzero.nonzero()[0].tolist())}"
+                )
+        if lse is not None:
+            lv = lse[rows].float()
+            if torch.isnan(lv).any():
+                problems.append(f"LSE has {int(torch.isnan(lv).sum())} NaNs, first at {where(torch.isnan(lv).nonzero()[0].tolist())}")
+            mismatch = hidden != torch.isneginf(lv)
+            if mismatch.any():
+                first = mismatch.nonzero()[0].tolist()
+                problems.append(
+                    f"LSE -inf pattern differs from the reference at {int(mismatch.sum())} (query, head), first at "
+                    f"{where(first)}: got {lv[tuple(first)].item()}, reference {rl[tuple(first)].item()}"
+                )
+            visible = ~hidden  # the reference is finite there: so must the kernel's LSE be, within tolerance
+            lse_err = torch.where(visible, (lv - rl).abs() - LSE_TOL * rl.abs(), torch.zeros_like(lv))
+            if (lse_err > LSE_TOL).any():
+                first = divmod(int(lse_err.argmax()), heads)
+                problems.append(
+                    f"LSE off by more than {LSE_TOL:.0e} abs + rel at {int((lse_err > LSE_TOL).sum())} (query, head); "
+                    f"worst at {where(first)}: got {lv[first].item():.6f}, reference {rl[first].item():.6f}"
+                )
+    if problems:
+        raise AssertionError(f"{mode}: {context}\n  " + "\n  ".join(problems))
+
+
+# --- pre-building the kernel variants in parallel --------------------------------------------------------------
+
+
+def kernel_configs(spec, classes):
+    """The decode (split and direct) and combine configs the op may launch for problem classes
+    ``(mode, num_heads, q_tile, causal)``."""
+    from mla import schedule
+
+    configs = []
+    for mode, heads, q_tile, causal in sorted(set(classes)):
+        kv_format, q_format = MODE_FORMATS[mode]
+        for split in (True, False):
+            configs.append(
+                schedule.decode_config(
+                    spec, kv_format=kv_format, q_format=q_format, num_heads=heads, q_tile=q_tile, causal=causal, split=split
+                )
+            )
+        configs.append(schedule.combine_config(spec, num_heads=heads))
+    return list(dict.fromkeys(configs))  # unique, in order
+
+
+def _build_one(cfg, spec):
+    """Worker: compile one variant into TileLang's disk cache. Returns (name, seconds, error or None)."""
+    start = time.perf_counter()
+    try:
+        from mla import jit
+
+        jit.get_kernel(cfg, spec)
+        return cfg.name, time.perf_counter() - start, None
+    except Exception as exc:  # reported, then raised again by the test that launches the variant
+        return cfg.name, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"
+
+
+def prebuild(classes, spec=None, workers=None, log=print):
+    """Compile every kernel variant of ``classes`` in parallel worker processes (each variant takes ~5-10 s
+    to build; the tests' own processes then load them from TileLang's disk cache in ~0.1 s each). Best effort:
+    a variant that fails to build is reported here and fails again, with its full error, in the test that
+    launches it. Set MLA_TEST_PREBUILD=0 to skip (variants then build on first use, one at a time)."""
+    if os.environ.get("MLA_TEST_PREBUILD", "1") == "0" or not classes:
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    from mla.target import spec_for_device
+
+    spec = spec or spec_for_device(torch.device("cuda"))
+    configs = kernel_configs(spec, classes)
+    workers = workers or max(1, min(len(configs), os.cpu_count() or 1))
+    start = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold a CUDA context
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        results = list(pool.map(_build_one, configs, [spec] * len(configs)))
+    failed = [(name, err) for name, _, err in results if err]
+    log(f"mla tests: {len(configs)} kernel variants ready in {time.perf_counter() - start:.0f} s with {workers} workers"
+        + (f"; {len(failed)} FAILED to build:" if failed else ""))
+    for name, err in failed:
+        log(f"  {name}: {err.splitlines()[0] if err else ''}")
