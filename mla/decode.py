@@ -362,21 +362,11 @@ def _out_buffer(name: str, buf, shape: tuple, dtype: torch.dtype, device: torch.
     return buf
 
 
-_WORKSPACES: dict = {}
-
-
 def _workspace(device: torch.device, name: str, shape: tuple) -> torch.Tensor:
-    """fp32 scratch (split partials, an LSE nobody asked for), kept per (device, stream, name) and grown on
-    demand, so a steady stream of calls allocates nothing. Calls on one stream are ordered, so reuse is safe;
-    during CUDA-graph capture a fresh buffer is taken (it then belongs to the graph)."""
-    numel = math.prod(shape)
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    key = (device, torch.cuda.current_stream(device).cuda_stream, name)
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)
-    return buf[:numel].view(shape)
+    """fp32 scratch (split partials, an LSE nobody asked for), from torch's caching allocator on every call.
+    (A workspace kept across calls was tried and removed: torch.compile's CUDA-graph trees reject a live
+    allocation they did not create; see docs/perf.md, run 6.)"""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 @functools.lru_cache(maxsize=None)
