@@ -53,9 +53,9 @@ if REPO_DIR not in sys.path:
 import torch  # noqa: E402
 
 from mla import formats, jit, schedule, target  # noqa: E402
-from mla.decode import DEFAULT_SM_SCALE, SUPPORTED_HEADS, mla_decode  # noqa: E402
+from mla.decode import DEFAULT_SM_SCALE, SUPPORTED_HEADS, run_harness  # noqa: E402
 from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged  # noqa: E402
-from mla.reference import mla_decode_reference  # noqa: E402
+from mla.reference import harness_reference, mla_decode_reference  # noqa: E402
 
 DEVICE = "cuda"
 QK_DIM = 576  # 512 latent + 64 rope: key dims
@@ -265,16 +265,7 @@ def make_inputs(case: Case, q_len: int, heads: int, device: str):
 
 def run_mode(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None) -> torch.Tensor:
     """One mla_decode call in ``mode`` on the harness tuple ``data`` (paged caches come with ``page_table``)."""
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    common = dict(num_splits=num_splits, page_table=page_table)
-    if mode == "bf16":
-        return mla_decode(q, kv_data["bf16"], qo_indptr, kv_indptr, **common)
-    if mode in ("fp8", "a8w8"):
-        kv_fp8, kv_scale = kv_data["fp8"]
-        q_format = "fp8" if mode == "a8w8" else "bf16"
-        return mla_decode(q, kv_fp8, qo_indptr, kv_indptr, kv_scale=kv_scale, q_format=q_format, **common)
-    kv_packed, block_scales = kv_data["mxfp4"]
-    return mla_decode(q, kv_packed, qo_indptr, kv_indptr, kv_block_scale=block_scales, **common)
+    return run_harness(data, mode, num_splits=num_splits, page_table=page_table)
 
 
 def torch_bf16_loop(data, sm_scale: float = DEFAULT_SM_SCALE) -> torch.Tensor:
@@ -317,14 +308,7 @@ BASELINE_FUNCTIONS = {"loop": torch_bf16_loop, "scaled_mm": torch_fp8_scaled_mm}
 
 def reference_output(impl: str, data) -> torch.Tensor:
     """fp32 reference on exactly the values ``impl`` reads (dequantized KV; fp8-rounded Q for a8w8)."""
-    mode = impl if impl in MODES else "bf16"
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    kv_format = MODE_FORMATS[mode][0]
-    kv = formats.dequantize_kv(kv_data[kv_format], kv_format)
-    if mode == "a8w8":
-        q = formats.dequantize_fp8(*formats.quantize_fp8(q, kv_data["fp8"][0].dtype))
-    out, _ = mla_decode_reference(q, kv, qo_indptr, kv_indptr)
-    return out
+    return harness_reference(data, impl if impl in MODES else "bf16")[0]
 
 
 def check_output(out: torch.Tensor, ref: torch.Tensor) -> dict:

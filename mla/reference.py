@@ -53,3 +53,17 @@ def mla_decode_reference(
         out[q_lo:q_hi] = torch.einsum("qhk,kd->qhd", probs, keys[:, :KV_LORA_RANK])
         lse[q_lo:q_hi] = seq_lse
     return out, lse
+
+
+def harness_reference(data, mode: str = "bf16", *, causal: bool = False, sm_scale: float | None = None):
+    """The reference on exactly the values ``mla.decode.run_harness(data, mode)`` reads: the dequantized cache of
+    the mode's format, and for "a8w8" Q rounded through fp8 as the kernel does (same per-tensor quantizer).
+    Returns (out, lse) like ``mla_decode_reference``."""
+    from mla import formats
+
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    fmt = "fp8" if mode == "a8w8" else mode
+    kv = formats.dequantize_kv(kv_data[fmt], fmt)
+    if mode == "a8w8":
+        q = formats.dequantize_fp8(*formats.quantize_fp8(q, kv_data["fp8"][0].dtype))
+    return mla_decode_reference(q, kv, qo_indptr, kv_indptr, causal=causal, sm_scale=sm_scale)

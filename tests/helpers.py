@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from mla import formats
-from mla.reference import mla_decode_reference
+from mla.decode import run_harness
+from mla.reference import harness_reference
 
 MODES = ["bf16", "fp8", "a8w8", "mxfp4"]  # KV format (+ Q precision for a8w8)
 REL_L2 = {"bf16": 1e-2, "fp8": 2e-2, "a8w8": 2e-2, "mxfp4": 2e-2}
@@ -29,24 +29,12 @@ MODE_FORMATS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "bf16"), "a8w8": ("fp8"
 
 def run_mode(decode, mode, data, **kwargs):
     """``decode`` (mla.decode.mla_decode or mla.ops.mla_decode) on the harness-style ``data`` in ``mode``."""
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    if mode == "bf16":
-        return decode(q, kv_data["bf16"], qo_indptr, kv_indptr, **kwargs)
-    if mode in ("fp8", "a8w8"):
-        kv, scale = kv_data["fp8"]
-        return decode(q, kv, qo_indptr, kv_indptr, kv_scale=scale, q_format="fp8" if mode == "a8w8" else "bf16", **kwargs)
-    kv, block_scale = kv_data["mxfp4"]
-    return decode(q, kv, qo_indptr, kv_indptr, kv_block_scale=block_scale, **kwargs)
+    return run_harness(data, mode, op=decode, **kwargs)
 
 
 def reference_for(mode, data, *, causal=False, sm_scale=None):
     """fp32 reference on exactly the values the kernel sees (dequantized KV; quantized Q for a8w8)."""
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    fmt = "fp8" if mode == "a8w8" else mode
-    kv = formats.dequantize_kv(kv_data[fmt], fmt)
-    if mode == "a8w8":
-        q = formats.dequantize_fp8(*formats.quantize_fp8(q))
-    return mla_decode_reference(q, kv, qo_indptr, kv_indptr, causal=causal, sm_scale=sm_scale)
+    return harness_reference(data, mode, causal=causal, sm_scale=sm_scale)
 
 
 def poisoned(shape, dtype, device="cuda"):

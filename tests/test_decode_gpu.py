@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mla import formats
-from mla.decode import mla_decode, custom_kernel
+from mla.decode import custom_kernel, mla_decode, run_harness
 from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged
-from mla.reference import mla_decode_reference
+from mla.reference import harness_reference, mla_decode_reference
 
 from conftest import requires_gpu
 
@@ -27,24 +27,12 @@ MAX_ABS_FRACTION = 2e-2  # of max |ref|
 
 
 def run_mode(mode, data, **kwargs):
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    if mode == "bf16":
-        return mla_decode(q, kv_data["bf16"], qo_indptr, kv_indptr, **kwargs)
-    if mode in ("fp8", "a8w8"):
-        kv, scale = kv_data["fp8"]
-        return mla_decode(q, kv, qo_indptr, kv_indptr, kv_scale=scale, q_format="fp8" if mode == "a8w8" else "bf16", **kwargs)
-    kv, block_scale = kv_data["mxfp4"]
-    return mla_decode(q, kv, qo_indptr, kv_indptr, kv_block_scale=block_scale, **kwargs)
+    return run_harness(data, mode, **kwargs)
 
 
 def reference_for(mode, data, causal=False):
     """fp32 reference on exactly the values the kernel sees (dequantized KV; quantized Q for a8w8)."""
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    fmt = "fp8" if mode == "a8w8" else mode
-    kv = formats.dequantize_kv(kv_data[fmt], fmt)
-    if mode == "a8w8":
-        q = formats.dequantize_fp8(*formats.quantize_fp8(q))
-    return mla_decode_reference(q, kv, qo_indptr, kv_indptr, causal=causal)
+    return harness_reference(data, mode, causal=causal)
 
 
 def assert_close_to_reference(out, ref, mode):

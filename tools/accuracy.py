@@ -11,25 +11,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 
 from mla import formats  # noqa: E402
-from mla.decode import mla_decode  # noqa: E402
+from mla.decode import run_harness  # noqa: E402
 from mla.inputs import make_harness_inputs  # noqa: E402
-from mla.reference import mla_decode_reference  # noqa: E402
+from mla.reference import harness_reference, mla_decode_reference  # noqa: E402
 
 MODES = ("bf16", "fp8", "a8w8", "mxfp4")
-
-
-def run(mode, data):
-    q, kv_data, qo, kvp, _ = data
-    if mode == "bf16":
-        return mla_decode(q, kv_data["bf16"], qo, kvp)
-    if mode in ("fp8", "a8w8"):
-        kv, scale = kv_data["fp8"]
-        return mla_decode(q, kv, qo, kvp, kv_scale=scale, q_format="fp8" if mode == "a8w8" else "bf16")
-    kv, block_scale = kv_data["mxfp4"]
-    return mla_decode(q, kv, qo, kvp, kv_block_scale=block_scale)
 
 
 def rel_l2(out, ref):
@@ -49,11 +37,8 @@ def main() -> int:
         q8 = formats.dequantize_fp8(*formats.quantize_fp8(q))
         harness_ref, _ = mla_decode_reference(q8, formats.dequantize_kv(kv_data["fp8"], "fp8"), qo, kvp)
         for mode in MODES:
-            out = run(mode, data).float()
-            fmt = "fp8" if mode == "a8w8" else mode
-            own_ref, _ = mla_decode_reference(
-                q8 if mode == "a8w8" else q, formats.dequantize_kv(kv_data[fmt], fmt), qo, kvp
-            )
+            out = run_harness(data, mode).float()
+            own_ref, _ = harness_reference(data, mode)
             misses = ((out - harness_ref).abs() > 0.1 + 0.1 * harness_ref.abs()).float().mean().item()
             print(f"{shape:9s} {mode:6s} {rel_l2(out, own_ref):18.2e} {rel_l2(out, exact):14.2e} {misses:15.2%}")
     return 0

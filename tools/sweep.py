@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 from mla import jit, schedule  # noqa: E402
+from mla.decode import run_harness  # noqa: E402
 from mla.target import spec_for_name  # noqa: E402
 
 SHAPES = [(4, 1024), (64, 8192), (256, 8192)]
@@ -100,7 +101,6 @@ def main() -> int:
                     continue
                 record(mode, shape, label(overrides), "auto",
                        lambda o=overrides: bench_call(mode, data, o, None), ref)
-            del data
     for mode in modes if SPLIT_SWEEP else []:
         for shape in SPLIT_SHAPES:
             data = bench.make_inputs(bench.uniform_case(*shape), 1, 16, "cuda")
@@ -108,7 +108,6 @@ def main() -> int:
             for splits in SPLIT_COUNTS:
                 if splits <= -(-shape[1] // 32):
                     record(mode, shape, "default", splits, lambda s=splits: bench_call(mode, data, {}, s), ref)
-            del data
     host_overhead(rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -157,17 +156,7 @@ def host_overhead(rows) -> None:
 
 
 def bench_call(mode, data, overrides, num_splits):
-    from mla.decode import mla_decode
-
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    kw = dict(num_splits=num_splits, config_overrides=overrides)
-    if mode == "bf16":
-        return mla_decode(q, kv_data["bf16"], qo_indptr, kv_indptr, **kw)
-    if mode in ("fp8", "a8w8"):
-        kv, scale = kv_data["fp8"]
-        return mla_decode(q, kv, qo_indptr, kv_indptr, kv_scale=scale, q_format="fp8" if mode == "a8w8" else "bf16", **kw)
-    kv, block_scale = kv_data["mxfp4"]
-    return mla_decode(q, kv, qo_indptr, kv_indptr, kv_block_scale=block_scale, **kw)
+    return run_harness(data, mode, num_splits=num_splits, config_overrides=overrides)
 
 
 if __name__ == "__main__":
