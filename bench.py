@@ -221,24 +221,16 @@ def bytes_moved(batch: int, kv_len: float, q_len: int, heads: int, mode: str) ->
     return kv_bytes + q_bytes + out_bytes
 
 
-def q_tile_for(total_q: int, batch: int) -> int:
-    """Query tokens per CTA, as mla_decode picks it from the mean query length."""
-    return 1 if total_q <= batch else (2 if total_q <= 2 * batch else 4)
-
-
 def split_config(spec, mode: str, heads: int, q_len: int, split: bool):
     kv_format, q_format = MODE_FORMATS[mode]
     return schedule.decode_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
-                                  q_tile=q_tile_for(q_len, 1), split=split)
+                                  q_tile=schedule.query_tile(q_len, 1), split=split)
 
 
 def modelled_num_splits(spec, mode: str, batch: int, total_kv: int, q_len: int, heads: int) -> int:
     """The split count mla_decode chooses by default for this problem (same model, same inputs)."""
     cfg = split_config(spec, mode, heads, q_len, split=True)
-    return schedule.choose_num_splits(
-        batch=batch, total_kv=total_kv, num_sms=spec.num_sms, ctas_per_sm=schedule.ctas_per_sm(spec, cfg),
-        block_n=cfg.block_n, head_groups=heads // cfg.block_h,
-    )
+    return schedule.default_num_splits(spec, cfg, batch=batch, total_kv=total_kv)
 
 
 def splits_for(spec, mode: str, case: Case, args) -> int:

@@ -172,21 +172,13 @@ def mla_decode(
 def _plan(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_q, total_kv, num_splits, overrides):
     """(decode launcher, combine launcher or None, num_splits) for a problem; cached, since serving calls repeat
     the same sizes and the schedule is a pure function of them."""
-    # Query tokens per CTA from the mean query length (queries beyond it take extra passes).
-    q_tile = 1 if total_q <= batch else (2 if total_q <= 2 * batch else 4)
+    q_tile = schedule.query_tile(total_q, batch)
     problem = dict(
         kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal, page_size=page_size
     )
     split_cfg = schedule.decode_config(spec, split=True, **problem, **dict(overrides))
     if num_splits is None:
-        num_splits = schedule.choose_num_splits(
-            batch=batch,
-            total_kv=total_kv,
-            num_sms=spec.num_sms,
-            ctas_per_sm=schedule.ctas_per_sm(spec, split_cfg),
-            block_n=split_cfg.block_n,
-            head_groups=num_heads // split_cfg.block_h,
-        )
+        num_splits = schedule.default_num_splits(spec, split_cfg, batch=batch, total_kv=total_kv)
     if num_splits == 1:
         direct_cfg = schedule.decode_config(spec, split=False, **problem, **dict(overrides))
         return jit.get_launcher(direct_cfg, spec), None, 1

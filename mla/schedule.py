@@ -66,6 +66,23 @@ def decode_config(
     raise ValueError(f"no decode config fits {spec.smem_bytes} B of shared memory on {spec.name}")
 
 
+def query_tile(total_q: int, batch: int) -> int:
+    """Query tokens per CTA pass, from the mean query length (queries beyond it take extra passes)."""
+    return 1 if total_q <= batch else (2 if total_q <= 2 * batch else 4)
+
+
+def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int, total_kv: int) -> int:
+    """``choose_num_splits`` with the occupancy of ``cfg`` on ``spec``: what the op uses when not told."""
+    return choose_num_splits(
+        batch=batch,
+        total_kv=total_kv,
+        num_sms=spec.num_sms,
+        ctas_per_sm=ctas_per_sm(spec, cfg),
+        block_n=cfg.block_n,
+        head_groups=cfg.num_heads // cfg.block_h,
+    )
+
+
 def combine_config(spec: TargetSpec, *, num_heads: int = 16) -> CombineKernelConfig:
     return CombineKernelConfig(num_heads=num_heads, threads=128)
 

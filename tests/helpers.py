@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from mla import schedule
 from mla.decode import run_harness
 from mla.reference import harness_reference
 
@@ -43,8 +44,7 @@ def poisoned(shape, dtype, device="cuda"):
 
 def q_tile_for(q_lens) -> int:
     """Query tokens per CTA the op picks for these query lengths (mirrors mla.decode: from the mean q_len)."""
-    batch, total_q = len(q_lens), sum(q_lens)
-    return 1 if total_q <= batch else (2 if total_q <= 2 * batch else 4)
+    return schedule.query_tile(sum(q_lens), len(q_lens))
 
 
 def lengths(indptr: torch.Tensor) -> list[int]:
