@@ -55,16 +55,14 @@ import torch  # noqa: E402
 from mla import formats, jit, schedule, target  # noqa: E402
 from mla.decode import DEFAULT_SM_SCALE, SUPPORTED_HEADS, run_harness  # noqa: E402
 from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged  # noqa: E402
+from mla.constants import KV_LORA_RANK, QK_DIM, ROPE_DIM  # noqa: E402
+from mla.constants import MODES as MODE_FORMATS  # noqa: E402
 from mla.reference import harness_reference, mla_decode_reference  # noqa: E402
 
 DEVICE = "cuda"
-QK_DIM = 576  # 512 latent + 64 rope: key dims
-KV_LORA_RANK = 512  # latent dims: value / output dims
-ROPE_DIM = QK_DIM - KV_LORA_RANK
 BF16_BYTES = 2
 
-MODES = ("bf16", "fp8", "a8w8", "mxfp4")
-MODE_FORMATS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "bf16"), "a8w8": ("fp8", "fp8"), "mxfp4": ("mxfp4", "bf16")}
+MODES = tuple(MODE_FORMATS)
 KV_BYTES_PER_TOKEN = {
     "bf16": QK_DIM * BF16_BYTES,  # 1152
     "fp8": QK_DIM,  # 576 (the one 4-byte per-tensor scale is not counted)

@@ -19,10 +19,10 @@ from typing import Literal
 import torch
 
 from mla import formats, jit, schedule
+from mla.constants import DEFAULT_SM_SCALE, KV_LORA_RANK, MODES, QK_DIM
 from mla.target import TargetSpec, spec_for_device
-from tl_kernels.mla_decode import KV_LORA_RANK, MXFP4_SCALES_PER_TOKEN, QK_DIM
+from tl_kernels.mla_decode import MXFP4_SCALES_PER_TOKEN
 
-DEFAULT_SM_SCALE = 1.0 / math.sqrt(QK_DIM)
 SUPPORTED_HEADS = (16, 32, 64, 128)
 SUPPORTED_PAGE_SIZES = (1, 16, 32, 64, 128)
 KVFormat = Literal["bf16", "fp8", "mxfp4"]
@@ -139,14 +139,12 @@ def mla_decode(
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     sm_scale = DEFAULT_SM_SCALE if sm_scale is None else float(sm_scale)
-    out = _out_buffer("out", out, (total_q, num_heads, KV_LORA_RANK), torch.bfloat16, device)
-    if lse is not None or return_lse:
-        lse = _out_buffer("lse", lse, (total_q, num_heads), torch.float32, device)
-    else:  # the kernels always write an LSE; nobody reads this one
-        lse = _workspace(device, "lse", (total_q, num_heads))
     batch = qo_indptr.shape[0] - 1
     if page_table is not None:
         _check_page_table(page_table, batch, device)
+    out = _out_buffer("out", out, (total_q, num_heads, KV_LORA_RANK), torch.bfloat16, device)
+    # The kernels always write an LSE; without a caller buffer or return_lse nobody reads it.
+    lse = _out_buffer("lse", lse, (total_q, num_heads), torch.float32, device)
     if check_inputs:
         validate_index_values(qo_indptr, kv_indptr, total_kv, total_q, page_table, page_size)
     if total_q == 0 or batch == 0:
@@ -161,8 +159,8 @@ def mla_decode(
     if combine is None:
         decode(*args, out, lse)
     else:
-        o_partial = _workspace(device, "o_partial", (num_splits, total_q, num_heads, KV_LORA_RANK))
-        lse_partial = _workspace(device, "lse_partial", (num_splits, total_q, num_heads))
+        o_partial = torch.empty((num_splits, total_q, num_heads, KV_LORA_RANK), dtype=torch.float32, device=device)
+        lse_partial = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=device)
         decode(*args, o_partial, lse_partial)
         combine(o_partial, lse_partial, out, lse)
     return (out, lse) if return_lse else out
@@ -186,27 +184,28 @@ def _plan(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_
     return jit.get_launcher(split_cfg, spec), jit.get_launcher(combine_cfg, spec), num_splits
 
 
-HARNESS_MODES = ("bf16", "fp8", "a8w8", "mxfp4")
-CUSTOM_KERNEL_FORMAT = "bf16"  # fastest format that passes the competition check (docs/perf.md, run 4): every
-# format passes it with no miss, and today bf16 KV is the fastest (geomean 68.6 us vs fp8 93.2, mxfp4 147.3).
+CUSTOM_KERNEL_FORMAT = "bf16"  # fastest format that passes the competition check (docs/perf.md, run 10): every
+# format passes it with no miss, and today bf16 KV is the fastest (geomean 69.2 us vs fp8 93.2, mxfp4 147.4).
 
 
 def run_harness(data, mode: str = "bf16", *, op=None, **kwargs):
     """``op`` (default ``mla_decode``; ``mla.ops.mla_decode`` works too) on a harness tuple
     ``(q, kv_data, qo_indptr, kv_indptr, config)`` in ``mode``: "bf16" (bf16 KV), "fp8" (bf16 Q, fp8 KV),
     "a8w8" (fp8 Q, fp8 KV) or "mxfp4" (bf16 Q, mxfp4 KV). ``kwargs`` go to the op."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
     op = mla_decode if op is None else op
     q, kv_data, qo_indptr, kv_indptr, _ = data
-    if mode == "bf16":
-        return op(q, kv_data["bf16"], qo_indptr, kv_indptr, **kwargs)
-    if mode in ("fp8", "a8w8"):
+    kv_format, q_format = MODES[mode]
+    if kv_format == "bf16":
+        kv, extra = kv_data["bf16"], {}
+    elif kv_format == "fp8":
         kv, kv_scale = kv_data["fp8"]
-        q_format = "fp8" if mode == "a8w8" else "bf16"
-        return op(q, kv, qo_indptr, kv_indptr, kv_scale=kv_scale, q_format=q_format, **kwargs)
-    if mode == "mxfp4":
+        extra = {"kv_scale": kv_scale}
+    else:
         kv, block_scale = kv_data["mxfp4"]
-        return op(q, kv, qo_indptr, kv_indptr, kv_block_scale=block_scale, **kwargs)
-    raise ValueError(f"mode must be one of {HARNESS_MODES}, got {mode!r}")
+        extra = {"kv_block_scale": block_scale}
+    return op(q, kv, qo_indptr, kv_indptr, q_format=q_format, **extra, **kwargs)
 
 
 def custom_kernel(data):
@@ -365,13 +364,6 @@ def _out_buffer(name: str, buf, shape: tuple, dtype: torch.dtype, device: torch.
     if not buf.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
     return buf
-
-
-def _workspace(device: torch.device, name: str, shape: tuple) -> torch.Tensor:
-    """fp32 scratch (split partials, an LSE nobody asked for), from torch's caching allocator on every call.
-    (A workspace kept across calls was tried and removed: torch.compile's CUDA-graph trees reject a live
-    allocation they did not create; see docs/perf.md, run 6.)"""
-    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 @functools.lru_cache(maxsize=None)

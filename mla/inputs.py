@@ -8,8 +8,9 @@ import torch
 
 from mla import formats
 
+from mla.constants import DEFAULT_SM_SCALE, QK_DIM
+
 NUM_HEADS = 16
-QK_DIM = 576
 HARNESS_SHAPES = [(b, kv) for b in (4, 32, 64, 256) for kv in (1024, 8192)]  # (batch, kv_len), q_len 1
 
 
@@ -24,7 +25,7 @@ def harness_config(batch: int, kv_len: int, q_len: int = 1, num_heads: int = NUM
         "v_head_dim": 512,
         "q_seq_len": q_len,
         "kv_seq_len": kv_len,
-        "sm_scale": 1.0 / math.sqrt(QK_DIM),
+        "sm_scale": DEFAULT_SM_SCALE,
     }
 
 

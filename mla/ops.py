@@ -29,17 +29,15 @@ the first real call); importing it again (a reload, or a second copy on another 
 registered ops.
 """
 
-import math
 from typing import Optional
 
 import torch
 
+from mla.constants import DEFAULT_SM_SCALE, KV_LORA_RANK, QK_DIM
+
 __all__ = ["mla_decode", "DEFAULT_SM_SCALE"]
 
 NAMESPACE = "mla"
-KV_LORA_RANK = 512  # output dims (tl_kernels.mla_decode.KV_LORA_RANK, repeated here to keep TileLang unimported)
-QK_DIM = 576
-DEFAULT_SM_SCALE = 1.0 / math.sqrt(QK_DIM)
 
 # Inductor hands the op its inputs with exactly the strides eager mode would have (the kernels need contiguous
 # rows); this is torch's default for custom ops in recent releases, stated here so it holds on older ones too.
@@ -61,7 +59,6 @@ def _run(q, kv_cache, qo_indptr, kv_indptr, kv_scale, kv_block_scale, q_scale, p
     """The real implementation: ``mla.decode.mla_decode`` with ``num_splits`` 0 meaning automatic."""
     from mla.decode import mla_decode as decode  # deferred: it imports TileLang
 
-    paging = {} if page_table is None else {"page_table": page_table}
     return decode(
         q,
         kv_cache,
@@ -77,8 +74,8 @@ def _run(q, kv_cache, qo_indptr, kv_indptr, kv_scale, kv_block_scale, q_scale, p
         num_splits=None if num_splits == 0 else num_splits,
         out=out,
         lse=lse,
-        return_lse=True,  # also without caller buffers: the op returns a fresh LSE, never a shared workspace
-        **paging,
+        page_table=page_table,
+        return_lse=True,  # the op's schema always returns (out, lse)
     )
 
 

@@ -6,9 +6,7 @@ import math
 
 import torch
 
-KV_LORA_RANK = 512
-QK_DIM = 576
-DEFAULT_SM_SCALE = 1.0 / math.sqrt(QK_DIM)
+from mla.constants import DEFAULT_SM_SCALE, KV_LORA_RANK, QK_DIM
 
 
 def mla_decode_reference(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from mla import constants
 from mla.target import TargetSpec
 from tl_kernels.mla_combine import CombineKernelConfig
 from tl_kernels.mla_decode import DecodeKernelConfig
@@ -122,7 +123,7 @@ def choose_num_splits(
 
 
 # (kv_format, q_format) pairs the op runs: bf16 Q over every cache, and a8w8 (fp8 Q over an fp8 cache).
-MODES = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "bf16"), "a8w8": ("fp8", "fp8"), "mxfp4": ("mxfp4", "bf16")}
+MODES = constants.MODES
 
 
 def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:

@@ -18,14 +18,14 @@ import time
 import torch
 
 from mla import schedule
+from mla.constants import MODES as MODE_FORMATS
 from mla.decode import run_harness
 from mla.reference import harness_reference
 
-MODES = ["bf16", "fp8", "a8w8", "mxfp4"]  # KV format (+ Q precision for a8w8)
+MODES = list(MODE_FORMATS)  # KV format (+ Q precision for a8w8)
 REL_L2 = {"bf16": 1e-2, "fp8": 2e-2, "a8w8": 2e-2, "mxfp4": 2e-2}
 MAX_ABS_FRACTION = 2e-2  # of max |ref|
 LSE_TOL = 1e-3  # abs + rel
-MODE_FORMATS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "bf16"), "a8w8": ("fp8", "fp8"), "mxfp4": ("mxfp4", "bf16")}
 
 
 def run_mode(decode, mode, data, **kwargs):

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+import mla.constants
 from mla import formats
 from mla.decode import custom_kernel, mla_decode, run_harness
 from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged
@@ -21,7 +22,7 @@ from conftest import requires_gpu
 
 pytestmark = requires_gpu
 
-MODES = ["bf16", "fp8", "a8w8", "mxfp4"]  # KV format (+ Q precision for a8w8)
+MODES = list(mla.constants.MODES)  # KV format (+ Q precision for a8w8)
 REL_L2 = {"bf16": 1e-2, "fp8": 2e-2, "a8w8": 2e-2, "mxfp4": 2e-2}
 MAX_ABS_FRACTION = 2e-2  # of max |ref|
 

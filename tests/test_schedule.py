@@ -43,3 +43,17 @@ def test_configs_fit_the_target_memory():
 def test_variant_names_are_unique():
     names = [cfg.name for cfg in schedule.kernel_variants(H200)]
     assert len(names) == len(set(names))
+
+
+def test_op_layer_dims_match_the_kernels():
+    """mla.constants (TileLang-free, for mla.ops) and the kernel layer must agree on every shape."""
+    from mla import constants
+    from tl_kernels import mla_decode
+
+    assert (constants.KV_LORA_RANK, constants.ROPE_DIM, constants.QK_DIM) == (
+        mla_decode.KV_LORA_RANK,
+        mla_decode.ROPE_DIM,
+        mla_decode.QK_DIM,
+    )
+    assert {q for _, q in constants.MODES.values()} <= set(mla_decode.Q_FORMATS)
+    assert {kv for kv, _ in constants.MODES.values()} == set(mla_decode.KV_FORMATS)

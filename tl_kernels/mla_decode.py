@@ -2,8 +2,9 @@
 
 Each CTA owns one (sequence, KV split, head group). Its stages:
   1. load the Q rows it serves (``q_tile`` query tokens x ``block_h`` heads, 576 dims) once per query pass;
-  2. walk the split's KV tokens in tiles of ``block_n``: copy the tile (compressed, if the format is) into
-     shared memory, then dequantize it to bf16 there (fp8 / mxfp4);
+  2. walk the split's KV tokens in tiles of ``block_n`` and put each tile into shared memory as bf16: a bf16 cache
+     is copied; fp8 / mxfp4 are dequantized on the way (straight from global memory by default, or from a
+     staged shared copy of the compressed tile with ``stage_compressed``);
   3. S = Q K^T over all 576 dims; tokens past the split end (or, causal, past each query's horizon) get -inf;
   4. online softmax in base 2: log2(e) is folded into the score scale, so one exp2 per score;
   5. O += P V, where V is the first 512 dims of the same tile (the latent part is both K and V);
@@ -13,8 +14,6 @@ Each CTA owns one (sequence, KV split, head group). Its stages:
 Only what changes the generated code is static (``DecodeKernelConfig``); batch size, token counts, sequence
 lengths and the number of splits are dynamic, so a new shape never recompiles.
 """
-
-
 
 from dataclasses import dataclass
 
@@ -53,8 +52,8 @@ class DecodeKernelConfig:
     kv_rows_as_m: bool = False  # MMA orientation: True computes S^T = K Q^T and O^T = V^T P^T, so the KV tile is
     # the M dimension (64-row wgmma on Hopper; no padding of the 16 heads to 64 rows), False S = Q K^T, O = P V
     page_size: int = 0  # 0: flat cache (sequence b owns rows kv_indptr[b]:kv_indptr[b+1]); else tokens per page
-    stage_compressed: bool = True  # copy the compressed tile to shared memory (async) before dequantizing it;
-    # False dequantizes straight from global memory (saves shared memory: gfx942 has 64 KiB of LDS)
+    stage_compressed: bool = False  # True copies the compressed tile to shared memory (async) before dequantizing
+    # it; False dequantizes straight from global memory (faster on the H200, docs/perf.md run 3; less LDS)
     fp8_dtype: str = "float8_e4m3fn"  # "float8_e4m3fnuz" on gfx942
 
     def __post_init__(self):
@@ -90,7 +89,8 @@ class DecodeKernelConfig:
         return (
             f"mla_decode_{'split' if self.split else 'direct'}_kv{self.kv_format}_q{self.q_format}"
             f"_h{self.num_heads}_bh{self.block_h}_qt{self.q_tile}_bn{self.block_n}_st{self.num_stages}"
-            f"_t{self.threads}_g{self.tiles_per_group}{'_causal' if self.causal else ''}{'' if self.stage_compressed or self.kv_format == 'bf16' else '_nostage'}"
+            f"_t{self.threads}_g{self.tiles_per_group}{'_causal' if self.causal else ''}"
+            f"{'' if self.stage_compressed or self.kv_format == 'bf16' else '_nostage'}"
             f"{f'_page{self.page_size}' if self.page_size else ''}{'_kvm' if self.kv_rows_as_m else ''}_{fp8}"
         )
 
@@ -243,8 +243,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 for group in T.serial(T.ceildiv(num_tiles, cfg.tiles_per_group)):
                     for t_in in T.Pipelined(cfg.tiles_per_group, num_stages=cfg.num_stages):
                         tile_lo = split_lo + (group * cfg.tiles_per_group + t_in) * block_n
-                        # Stage 2: the KV tile. Rows past the split end repeat its last token (finite data, so P V
-                        # stays finite); their scores are masked to -inf below.
+                        # Stage 2: the KV tile as bf16 in shared memory (row addressing and the tail: kv_row).
                         if cfg.kv_format == "bf16":
                             for i, d in T.Parallel(block_n, KV_LORA_RANK):
                                 KV_shared[i, d] = KV[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i), d]
@@ -342,7 +341,9 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                             LSE[q_begin + qi, hg * block_h + r % block_h] = lse2 * ln2
 
     if cfg.page_size:
-        dims = dict(total_q=total_q, total_kv=total_kv, indptr_len=indptr_len, scale_len=scale_len, num_splits=num_splits)
+        dims = dict(
+            total_q=total_q, total_kv=total_kv, indptr_len=indptr_len, scale_len=scale_len, num_splits=num_splits
+        )
         return _paged_prim_func(cfg, decode_body, q_dtype, kv_dtype, kv_cols, dims)
     if cfg.split:
 

@@ -12,12 +12,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+import mla.constants  # noqa: E402
 from mla import formats  # noqa: E402
 from mla.decode import run_harness  # noqa: E402
 from mla.inputs import make_harness_inputs  # noqa: E402
 from mla.reference import harness_reference, mla_decode_reference  # noqa: E402
 
-MODES = ("bf16", "fp8", "a8w8", "mxfp4")
+MODES = tuple(mla.constants.MODES)
 
 
 def rel_l2(out, ref):
