@@ -7,6 +7,8 @@ Usage, from the repo root (``python bench.py`` finds the ``mla`` package next to
     python bench.py --modes fp8,mxfp4 --shapes 4x1024,256x8192
     python bench.py --ragged --long --check          # + ragged batches and 32k contexts; verify vs the fp32 reference
     python bench.py --q-len 2 --no-baselines         # MTP: 2 query tokens per sequence
+    python bench.py --page-size 16 --heads 128       # paged KV (FlashInfer reads the same pages), 128 heads
+    python bench.py --plan                           # time DecodePlan.run (planned once, untimed, like FlashInfer)
     python bench.py --splits 1 --no-peers --reps 100 # force one KV split (no combine kernel)
     python bench.py --json results.json --plot gbps.png
     python bench.py --shapes none --ragged           # only the ragged batches
@@ -16,8 +18,9 @@ Modes (what the op reads):
     fp8    bf16 Q, fp8 e4m3 KV + per-tensor scale     (576 B per token)
     a8w8   Q quantized to fp8 inside the call, fp8 KV (576 B per token): the competition's reference configuration
     mxfp4  bf16 Q, mxfp4 KV (e2m1 + e8m0 per 32)      (288 + 18 = 306 B per token)
-Peers (when importable): FlashInfer's BatchMLAPagedAttentionWrapper, backends fa3 and fa2, bf16 Q and KV, page size 1;
-only its ``run`` is timed (``plan`` is not). On ROCm only, AMD aiter (package amd-aiter): its a8w8 persistent MLA decode
+Peers (when importable): FlashInfer's BatchMLAPagedAttentionWrapper, backends fa3 and fa2, bf16 Q and KV, page size 1
+(with --page-size: the same shuffled pages as ours, as CSR page lists); only its ``run`` is timed (``plan`` is not; our
+--plan option times ``DecodePlan.run`` the same way). On ROCm only, AMD aiter (package amd-aiter): its a8w8 persistent MLA decode
 called as the competition reference calls it (fp8 Q and KV, per-tensor scales, page size 1, 32 KV splits); only
 ``aiter.mla.mla_decode_fwd`` is timed (metadata and the fp8 quantization of Q and KV are not). The aiter peer is
 untested in this project (no ROCm machine): only its call sequence is checked, on the CPU, against a fake aiter.
@@ -36,6 +39,7 @@ import dataclasses
 import datetime
 import functools
 import importlib
+import itertools
 import json
 import logging
 import math
@@ -53,7 +57,7 @@ if REPO_DIR not in sys.path:
 import torch  # noqa: E402
 
 from mla import formats, jit, schedule, target  # noqa: E402
-from mla.decode import DEFAULT_SM_SCALE, SUPPORTED_HEADS, run_harness  # noqa: E402
+from mla.decode import DEFAULT_SM_SCALE, SUPPORTED_HEADS, plan, run_harness  # noqa: E402
 from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged  # noqa: E402
 from mla.constants import KV_LORA_RANK, QK_DIM, ROPE_DIM  # noqa: E402
 from mla.constants import MODES as MODE_FORMATS  # noqa: E402
@@ -187,6 +191,9 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, choices=SUPPORTED_HEADS, default=16, help="query heads (default 16)")
     parser.add_argument("--page-size", type=positive_int, default=None,
                         help="read the KV through a page table: caches laid out in shuffled pages of this many tokens")
+    parser.add_argument("--plan", action="store_true",
+                        help="time DecodePlan.run (mla.decode.plan made once per shape, untimed, as FlashInfer's "
+                             "plan is) instead of the one-shot mla_decode call")
     parser.add_argument("--splits", type=positive_int, default=None,
                         help="force num_splits (default: the op's own choice, schedule.choose_num_splits)")
     parser.add_argument("--no-baselines", action="store_true", help="skip the naive torch baselines")
@@ -219,10 +226,10 @@ def bytes_moved(batch: int, kv_len: float, q_len: int, heads: int, mode: str) ->
     return kv_bytes + q_bytes + out_bytes
 
 
-def split_config(spec, mode: str, heads: int, q_len: int, split: bool):
+def split_config(spec, mode: str, heads: int, q_len: int, split: bool, page_size: int = 0):
     kv_format, q_format = MODE_FORMATS[mode]
     return schedule.decode_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
-                                  q_tile=schedule.query_tile(q_len, 1), split=split)
+                                  q_tile=schedule.query_tile(q_len, 1), split=split, page_size=page_size)
 
 
 def modelled_num_splits(spec, mode: str, batch: int, total_kv: int, q_len: int, heads: int) -> int:
@@ -235,11 +242,12 @@ def splits_for(spec, mode: str, case: Case, args) -> int:
     return args.splits or modelled_num_splits(spec, mode, case.batch, case.total_kv, args.q_len, args.heads)
 
 
-def kernel_configs(spec, mode: str, num_splits: int, heads: int, q_len: int) -> list:
+def kernel_configs(spec, mode: str, num_splits: int, heads: int, q_len: int, page_size: int = 0) -> list:
     """The kernel variants one call runs: the direct decode kernel, or the split one plus the combine kernel."""
     if num_splits == 1:
-        return [split_config(spec, mode, heads, q_len, split=False)]
-    return [split_config(spec, mode, heads, q_len, split=True), schedule.combine_config(spec, num_heads=heads)]
+        return [split_config(spec, mode, heads, q_len, split=False, page_size=page_size)]
+    return [split_config(spec, mode, heads, q_len, split=True, page_size=page_size),
+            schedule.combine_config(spec, num_heads=heads)]
 
 
 # ----------------------------------------------------------------------------------------------- the callables
@@ -256,6 +264,25 @@ def make_inputs(case: Case, q_len: int, heads: int, device: str):
 def run_mode(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None) -> torch.Tensor:
     """One mla_decode call in ``mode`` on the harness tuple ``data`` (paged caches come with ``page_table``)."""
     return run_harness(data, mode, num_splits=num_splits, page_table=page_table)
+
+
+def planned_call(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None,
+                 causal: bool = False):
+    """``mla.decode.plan`` for this batch (untimed, as a serving engine plans once per step for all layers; the
+    split count is the op's own choice unless forced) and the ``DecodePlan.run`` call to time."""
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    kv_format, q_format = MODE_FORMATS[mode]
+    kv, extra = kv_data[kv_format], {}
+    if kv_format == "fp8":
+        kv, extra = kv[0], {"kv_scale": kv[1]}
+    elif kv_format == "mxfp4":
+        kv, extra = kv[0], {"kv_block_scale": kv[1]}
+    paging = {}
+    if page_table is not None:
+        paging = dict(page_size=kv.shape[1] if kv.dim() == 4 else 1, page_table=page_table)
+    the_plan = plan(qo_indptr, kv_indptr, num_heads=q.shape[1], kv_format=kv_format, q_format=q_format,
+                    num_splits=num_splits, causal=causal, **paging)
+    return lambda: the_plan.run(q, kv, **extra)
 
 
 def torch_bf16_loop(data, sm_scale: float = DEFAULT_SM_SCALE) -> torch.Tensor:
@@ -345,20 +372,31 @@ def setup_peers(device: str) -> list[Peer]:
     return peers + ([aiter_peer] if aiter_peer is not None else [])
 
 
-def flashinfer_callable(peer: Peer, data, heads: int):
-    """Plan FlashInfer's MLA wrapper for this batch (untimed); returns the call to time (``run`` only)."""
+def flashinfer_callable(peer: Peer, data, heads: int, paging=None):
+    """Plan FlashInfer's MLA wrapper for this batch (untimed); returns the call to time (``run`` only). Flat
+    caches are read as pages of one token; with ``paging`` (paged caches, page table) through the same pages as
+    our kernels, as CSR page lists."""
     q, kv_data, qo_indptr, kv_indptr, _ = data
-    kv = kv_data["bf16"]  # (total_kv, 1, 576): page size 1, one token per page
     wrapper = peer.module.mla.BatchMLAPagedAttentionWrapper(peer.workspace, backend=peer.name)
     kv_lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
-    kv_indices = torch.arange(kv.shape[0], dtype=torch.int32, device=kv.device)
+    if paging is None:
+        kv = kv_data["bf16"]  # (total_kv, 1, 576): page size 1, one token per page
+        page_size, page_indptr = 1, kv_indptr
+        kv_indices = torch.arange(kv.shape[0], dtype=torch.int32, device=kv.device)
+    else:
+        paged_kv, page_table = paging
+        num_pages, page_size = paged_kv["bf16"].shape[:2]
+        kv = paged_kv["bf16"].view(num_pages, page_size, QK_DIM)
+        pages = [-(-n // page_size) for n in kv_lens.tolist()]
+        page_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=kv.device)
+        kv_indices = torch.cat([page_table[b, :n] for b, n in enumerate(pages)]).contiguous()
     wrapper.plan(
-        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_lens, num_heads=heads,
-        head_dim_ckv=KV_LORA_RANK, head_dim_kpe=ROPE_DIM, page_size=1, causal=False, sm_scale=DEFAULT_SM_SCALE,
-        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        qo_indptr=qo_indptr, kv_indptr=page_indptr, kv_indices=kv_indices, kv_len_arr=kv_lens, num_heads=heads,
+        head_dim_ckv=KV_LORA_RANK, head_dim_kpe=ROPE_DIM, page_size=page_size, causal=False,
+        sm_scale=DEFAULT_SM_SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
     )
     q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]  # strided views, as SGLang passes them
-    ckv_cache, kpe_cache = kv[..., :KV_LORA_RANK], kv[..., KV_LORA_RANK:]  # (total_kv, 1, 512) / (total_kv, 1, 64)
+    ckv_cache, kpe_cache = kv[..., :KV_LORA_RANK], kv[..., KV_LORA_RANK:]  # (pages, page_size, 512) / (.., 64)
     return lambda: wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache)
 
 
@@ -508,12 +546,13 @@ def aiter_callable(peer: Peer, data, heads: int):
     return run, reference
 
 
-def peer_callable(peer: Peer, data, heads: int, ref_bf16):
-    """(the call to time, its reference function, the mode whose bytes it moves) for one peer; setup untimed."""
+def peer_callable(peer: Peer, data, heads: int, ref_bf16, paging=None):
+    """(the call to time, its reference function, the mode whose bytes it moves) for one peer; setup untimed.
+    ``paging``: (paged caches, page table) to read the KV through (FlashInfer; aiter always reads page size 1)."""
     if peer.name == AITER:
         fn, ref_fn = aiter_callable(peer, data, heads)
         return fn, ref_fn, "a8w8"
-    return flashinfer_callable(peer, data, heads), ref_bf16, "bf16"
+    return flashinfer_callable(peer, data, heads, paging), ref_bf16, "bf16"
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -627,14 +666,14 @@ def bench_baselines(bench: Bench, case: Case, data, ref_fn) -> list[dict]:
     return rows
 
 
-def bench_peers(bench: Bench, case: Case, data, ref_fn) -> list[dict]:
+def bench_peers(bench: Bench, case: Case, data, ref_fn, paging=None) -> list[dict]:
     args, rows = bench.args, []
     for peer in bench.peers:
         if peer.reason is not None:
             continue  # said once in the header
         row = base_row(case, peer.name, "peer", args)
         try:
-            fn, peer_ref_fn, bytes_mode = peer_callable(peer, data, args.heads, ref_fn)
+            fn, peer_ref_fn, bytes_mode = peer_callable(peer, data, args.heads, ref_fn, paging)
         except Exception as exc:  # noqa: BLE001 - the row says "unavailable: ..." and the run goes on
             row["error"] = ("setup failed: " if peer.name == AITER else "plan failed: ") + error_text(exc)
         else:
@@ -646,16 +685,19 @@ def bench_peers(bench: Bench, case: Case, data, ref_fn) -> list[dict]:
     return rows
 
 
-def bench_modes(bench: Bench, case: Case, data, ref_fns: dict, comparisons: list[dict]) -> list[dict]:
+def bench_modes(bench: Bench, case: Case, data, ref_fns: dict, comparisons: list[dict], paging=None) -> list[dict]:
     args, rows = bench.args, []
     page_table = None
-    if args.page_size:  # same values, read through a shuffled page table (the reference keeps the flat cache)
-        paged_kv, page_table = to_paged(data, args.page_size, seed=INPUT_SEED)
+    if paging is not None:  # same values, read through a shuffled page table (the reference keeps the flat cache)
+        paged_kv, page_table = paging
         data = (data[0], paged_kv, *data[2:])
     for mode in args.modes:
         row = base_row(case, mode, "mode", args)
         row["num_splits"] = splits_for(bench.spec, mode, case, args)
-        fn = lambda mode=mode: run_mode(mode, data, args.splits, page_table)  # noqa: E731
+        if args.plan:
+            fn = planned_call(mode, data, args.splits, page_table)
+        else:
+            fn = lambda mode=mode: run_mode(mode, data, args.splits, page_table)  # noqa: E731
         measure(bench, row, fn, reps=args.reps,
                 bytes_read=bytes_moved(case.batch, case.mean_kv_len, args.q_len, args.heads, mode),
                 ref_fn=ref_fns[mode] if args.check else None)
@@ -687,9 +729,10 @@ def bench_case(bench: Bench, case: Case) -> list[dict]:
     rows = []
     if not args.no_baselines:
         rows += bench_baselines(bench, case, data, ref_fns["bf16"])
+    paging = to_paged(data, args.page_size, seed=INPUT_SEED) if args.page_size else None
     if not args.no_peers:
-        rows += bench_peers(bench, case, data, ref_fns["bf16"])
-    rows += bench_modes(bench, case, data, ref_fns, comparisons=list(rows))
+        rows += bench_peers(bench, case, data, ref_fns["bf16"], paging)
+    rows += bench_modes(bench, case, data, ref_fns, comparisons=list(rows), paging=paging)
     del data, ref_fns
     torch.cuda.empty_cache()
     return rows
@@ -857,7 +900,8 @@ def compile_only(args, cases: list[Case]) -> int:
     print_split_table(spec, cases, args)
     configs = list(dict.fromkeys(
         cfg for case in cases for mode in args.modes
-        for cfg in kernel_configs(spec, mode, splits_for(spec, mode, case, args), args.heads, args.q_len)
+        for cfg in kernel_configs(spec, mode, splits_for(spec, mode, case, args), args.heads, args.q_len,
+                                  args.page_size or 0)
     ))
     failures = 0
     for i, cfg in enumerate(configs, 1):

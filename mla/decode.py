@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -89,8 +89,57 @@ def mla_decode(
         that replace the schedule's choice.
 
     Returns ``out`` (total_q, H, 512) bf16, or ``(out, lse)`` when ``return_lse``. A sequence with no KV
-    tokens gets zeros. No host-device synchronisation: the call can be captured in a CUDA graph.
+    tokens gets zeros. No host-device synchronisation: the call can be captured in a CUDA graph. For many calls
+    over one batch layout (every layer of a step), ``plan(...)`` once and ``DecodePlan.run`` is the same
+    computation with the schedule taken from the exact lengths and the split workspace made once.
     """
+    call = _validate_call(q, kv_cache, qo_indptr, kv_indptr, kv_scale, kv_block_scale, kv_format, q_format, q_scale,
+                          paged=page_table is not None)
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    sm_scale = DEFAULT_SM_SCALE if sm_scale is None else float(sm_scale)
+    if page_table is not None:
+        _check_page_table(page_table, call.batch, call.device)
+    out, lse = _outputs(call, out, lse)
+    if check_inputs:
+        validate_index_values(qo_indptr, kv_indptr, call.cache_rows, call.total_q, page_table, call.page_size)
+    if call.total_q == 0 or call.batch == 0:
+        return (out, lse) if return_lse else out
+    overrides = tuple(sorted(config_overrides.items())) if config_overrides else ()
+    decode, combine, num_splits = _plan(
+        call.spec, call.kv_format, call.kernel_q_format, call.num_heads, causal, call.page_size, call.batch,
+        call.total_q, call.cache_rows, num_splits, overrides,
+    )
+    _launch(call, qo_indptr, kv_indptr, page_table, sm_scale, decode, combine, num_splits, out, lse)
+    return (out, lse) if return_lse else out
+
+
+class _Call(NamedTuple):
+    """A validated call: the tensors as the kernels take them, and the sizes the schedule needs."""
+
+    spec: TargetSpec
+    device: torch.device
+    q: torch.Tensor
+    kv_rows: torch.Tensor  # (cache_rows, row elems): the cache as rows, a view
+    kv_format: str
+    kernel_q_format: str  # "bf16", "fp8" (quantized inside the kernel) or "fp8_codes"
+    q_scale: torch.Tensor  # (1,) float32
+    kv_scale: torch.Tensor  # (1,) float32
+    block_scales: torch.Tensor  # flat uint8 view of the mxfp4 scales (a stand-in for other formats)
+    scale_stride: int
+    page_size: int  # 0: flat cache
+    batch: int
+    total_q: int
+    num_heads: int
+
+    @property
+    def cache_rows(self) -> int:
+        return self.kv_rows.shape[0]
+
+
+def _validate_call(q, kv_cache, qo_indptr, kv_indptr, kv_scale, kv_block_scale, kv_format, q_format, q_scale, *,
+                   paged: bool) -> _Call:
+    """Every check that needs no device data (dtypes, devices, shapes, strides, format/scale pairing)."""
     _check_tensor("q", q, (torch.bfloat16, *_FP8_DTYPES), 3)
     device = q.device
     spec = spec_for_device(device)  # validates the device too (CUDA/ROCm, or $MLA_TARGET for lowering-only use)
@@ -106,7 +155,7 @@ def mla_decode(
             f"qo_indptr and kv_indptr must both be (batch + 1,), got {tuple(qo_indptr.shape)} and {tuple(kv_indptr.shape)}"
         )
     kv_format = _infer_kv_format(kv_cache, kv_format)
-    kv_rows, page_size = _check_kv(kv_cache, kv_format, device, spec, paged=page_table is not None)
+    kv_rows, page_size = _check_kv(kv_cache, kv_format, device, spec, paged=paged)
     total_kv = kv_rows.shape[0]
     kv_scale_t = _unit_scale(device)
     block_scales, scale_stride = _no_block_scales(device), MXFP4_SCALES_PER_TOKEN
@@ -135,35 +184,34 @@ def mla_decode(
         raise ValueError(f"q_format must be 'bf16' or 'fp8', got {q_format!r}")
     if not q.is_contiguous():
         raise ValueError(f"q: expected a contiguous tensor, got strides {q.stride()}")
+    return _Call(spec, device, q, kv_rows, kv_format, kernel_q_format, q_scale_t, kv_scale_t, block_scales,
+                 scale_stride, page_size, qo_indptr.shape[0] - 1, total_q, num_heads)
 
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    sm_scale = DEFAULT_SM_SCALE if sm_scale is None else float(sm_scale)
-    batch = qo_indptr.shape[0] - 1
-    if page_table is not None:
-        _check_page_table(page_table, batch, device)
-    out = _out_buffer("out", out, (total_q, num_heads, KV_LORA_RANK), torch.bfloat16, device)
-    # The kernels always write an LSE; without a caller buffer or return_lse nobody reads it.
-    lse = _out_buffer("lse", lse, (total_q, num_heads), torch.float32, device)
-    if check_inputs:
-        validate_index_values(qo_indptr, kv_indptr, total_kv, total_q, page_table, page_size)
-    if total_q == 0 or batch == 0:
-        return (out, lse) if return_lse else out
 
-    overrides = tuple(sorted(config_overrides.items())) if config_overrides else ()
-    decode, combine, num_splits = _plan(
-        spec, kv_format, kernel_q_format, num_heads, causal, page_size, batch, total_q, total_kv, num_splits, overrides
-    )
-    paging = (page_table,) if page_size else ()
-    args = (q, kv_rows, block_scales, scale_stride, q_scale_t, kv_scale_t, qo_indptr, kv_indptr, *paging, sm_scale)
+def _outputs(call: _Call, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's out / lse buffers (checked) or fresh ones. The kernels always write an LSE; without a caller
+    buffer or return_lse nobody reads it."""
+    out = _out_buffer("out", out, (call.total_q, call.num_heads, KV_LORA_RANK), torch.bfloat16, call.device)
+    lse = _out_buffer("lse", lse, (call.total_q, call.num_heads), torch.float32, call.device)
+    return out, lse
+
+
+def _launch(call: _Call, qo_indptr, kv_indptr, page_table, sm_scale, decode, combine, num_splits, out, lse,
+            o_partial=None, lse_partial=None) -> None:
+    """Runs the decode kernel (and the combine kernel when the KV is split) into out / lse. ``o_partial`` /
+    ``lse_partial``: a plan's preallocated split workspace (fresh buffers when None)."""
+    paging = (page_table,) if call.page_size else ()
+    args = (call.q, call.kv_rows, call.block_scales, call.scale_stride, call.q_scale, call.kv_scale, qo_indptr,
+            kv_indptr, *paging, sm_scale)
     if combine is None:
         decode(*args, out, lse)
-    else:
-        o_partial = torch.empty((num_splits, total_q, num_heads, KV_LORA_RANK), dtype=torch.float32, device=device)
-        lse_partial = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=device)
-        decode(*args, o_partial, lse_partial)
-        combine(o_partial, lse_partial, out, lse)
-    return (out, lse) if return_lse else out
+        return
+    if o_partial is None:
+        shape = (num_splits, call.total_q, call.num_heads)
+        o_partial = torch.empty((*shape, KV_LORA_RANK), dtype=torch.float32, device=call.device)
+        lse_partial = torch.empty(shape, dtype=torch.float32, device=call.device)
+    decode(*args, o_partial, lse_partial)
+    combine(o_partial, lse_partial, out, lse)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -182,6 +230,263 @@ def _plan(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_
         return jit.get_launcher(direct_cfg, spec), None, 1
     combine_cfg = schedule.combine_config(spec, num_heads=num_heads)
     return jit.get_launcher(split_cfg, spec), jit.get_launcher(combine_cfg, spec), num_splits
+
+
+class DecodePlan:
+    """The schedule of one decode batch, made once by ``plan(...)`` and run many times (e.g. by every layer of a
+    model step): FlashInfer's plan/run split, FlashMLA's metadata. Holds the batch layout on the device
+    (``qo_indptr``, ``kv_indptr``, ``page_table``), the split count chosen from the exact KV lengths, the compiled
+    kernels and the split workspace, so ``run`` only validates its tensors and launches.
+
+    ``run`` does no host-device synchronisation and allocates nothing but its outputs (none with ``out=`` and
+    ``lse=``): it can be captured in a CUDA graph, and a graph replays it with whatever the plan's index tensors
+    hold then. One plan's workspace serves one stream at a time: runs of the same plan on concurrent streams race.
+    """
+
+    def __init__(self, *, spec, device, kv_format, q_format, num_heads, causal, sm_scale, page_size, kv_lens,
+                 total_q, num_splits, q_tile, qo_indptr, kv_indptr, page_table, config_overrides):
+        self.spec = spec
+        self.device = device
+        self.kv_format = kv_format
+        self.q_format = q_format
+        self.num_heads = num_heads
+        self.causal = causal
+        self.sm_scale = sm_scale
+        self.page_size = page_size  # 0: flat cache; else tokens per page (1 for a flat cache read through a table)
+        self.kv_lens = kv_lens  # host copy of the planned KV lengths
+        self.batch = len(kv_lens)
+        self.total_q = total_q
+        self.num_splits = num_splits
+        self.q_tile = q_tile
+        self.qo_indptr = qo_indptr  # (batch + 1,) int32 on the device
+        self.kv_indptr = kv_indptr  # (batch + 1,) int32 on the device
+        self.page_table = page_table  # (batch, max_pages) int32 on the device, or None
+        self._overrides = config_overrides
+        self._kernels = {}
+        self._o_partial = self._lse_partial = None
+        if num_splits > 1 and total_q > 0:
+            shape = (num_splits, total_q, num_heads)
+            self._o_partial = torch.empty((*shape, KV_LORA_RANK), dtype=torch.float32, device=device)
+            self._lse_partial = torch.empty(shape, dtype=torch.float32, device=device)
+
+    def __repr__(self) -> str:
+        paging = f", page_size={self.page_size}" if self.page_size else ""
+        return (f"DecodePlan({self.kv_format}, q {self.q_format}, heads={self.num_heads}, batch={self.batch}, "
+                f"total_q={self.total_q}, kv_tokens={sum(self.kv_lens)}, num_splits={self.num_splits}, "
+                f"causal={self.causal}{paging}, {self.spec.name})")
+
+    def kernels(self, kernel_q_format: str):
+        """(decode launcher, combine launcher or None) for the planned problem with Q read as
+        ``kernel_q_format``; built (or loaded from the disk cache) on first use."""
+        if kernel_q_format not in self._kernels:
+            problem = dict(kv_format=self.kv_format, q_format=kernel_q_format, num_heads=self.num_heads,
+                           q_tile=self.q_tile, causal=self.causal, page_size=self.page_size, **self._overrides)
+            split = self.num_splits > 1
+            decode = jit.get_launcher(schedule.decode_config(self.spec, split=split, **problem), self.spec)
+            combine = jit.get_launcher(schedule.combine_config(self.spec, num_heads=self.num_heads), self.spec) if split else None
+            self._kernels[kernel_q_format] = (decode, combine)
+        return self._kernels[kernel_q_format]
+
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        kv_scale: torch.Tensor | None = None,
+        kv_block_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+        check_inputs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Decode with this plan: ``q`` (total_q, H, 576) and the cache as in ``mla_decode`` (paged caches as
+        (num_pages, page_size, 1, row)); returns ``out`` or ``(out, lse)``. ``check_inputs``: also check the page
+        table's values against the cache (a device-to-host copy)."""
+        call = _validate_call(q, kv_cache, self.qo_indptr, self.kv_indptr, kv_scale, kv_block_scale, None,
+                              self.q_format, q_scale, paged=self.page_table is not None)
+        if call.kv_format != self.kv_format:
+            raise ValueError(f"kv_cache: this plan is for a {self.kv_format} cache, got a {call.kv_format} one")
+        if call.num_heads != self.num_heads:
+            raise ValueError(f"q: this plan is for {self.num_heads} heads, got shape {tuple(q.shape)}")
+        if call.total_q != self.total_q:
+            raise ValueError(f"q: the plan's qo_indptr holds {self.total_q} query rows, q has {call.total_q}")
+        if call.page_size != self.page_size:
+            raise ValueError(f"kv_cache: this plan is for page_size {self.page_size}, the cache has {call.page_size}")
+        if not self.page_size and sum(self.kv_lens) > call.cache_rows:
+            raise ValueError(f"kv_cache: the plan's kv_indptr reaches row {sum(self.kv_lens)}, the cache has {call.cache_rows}")
+        out, lse = _outputs(call, out, lse)
+        if check_inputs and self.page_table is not None:
+            validate_index_values(self.qo_indptr, self.kv_indptr, call.cache_rows, call.total_q, self.page_table,
+                                  self.page_size)
+        if call.total_q == 0 or call.batch == 0:
+            return (out, lse) if return_lse else out
+        decode, combine = self.kernels(call.kernel_q_format)
+        _launch(call, self.qo_indptr, self.kv_indptr, self.page_table, self.sm_scale, decode, combine,
+                self.num_splits, out, lse, self._o_partial, self._lse_partial)
+        return (out, lse) if return_lse else out
+
+
+def plan(
+    qo_indptr,
+    kv_indptr,
+    *,
+    num_heads: int,
+    kv_format: KVFormat,
+    q_format: QFormat = "bf16",
+    causal: bool = False,
+    sm_scale: float | None = None,
+    page_size: int = 0,
+    page_table: torch.Tensor | None = None,
+    kv_indices: torch.Tensor | None = None,
+    kv_page_indptr=None,
+    num_splits: int | None = None,
+    device: torch.device | str | None = None,
+    config_overrides: dict | None = None,
+) -> DecodePlan:
+    """Plans a decode batch once, for many ``DecodePlan.run`` calls (every layer of a step).
+
+    Args:
+      qo_indptr, kv_indptr: (batch + 1,) offsets as host data (a list, or a CPU int tensor: no synchronisation)
+        or as int32 device tensors (read to the host once: a synchronisation, so plan outside CUDA-graph capture).
+        ``kv_indptr`` gives each sequence's KV length; for a flat cache also its rows.
+      num_heads: 16, 32, 64 or 128. kv_format: "bf16", "fp8" or "mxfp4". q_format: "bf16", or "fp8" (a8w8: bf16
+        Q quantized inside the kernel, or Q passed to ``run`` as fp8 codes with ``q_scale``).
+      causal, sm_scale: as in ``mla_decode``.
+      page_size: 0 for a flat cache, else tokens per page of a paged cache (1, 16, 32, 64, 128) given with either
+        page_table: (batch, max_pages) int32 on the device (FlashMLA's block table): token p of sequence b is slot
+          p % page_size of page page_table[b, p // page_size]; or
+        kv_indices: (num_used_pages,) int32 on the device, the pages of all sequences back to back (FlashInfer's
+          CSR): sequence b's pages are kv_indices[kv_page_indptr[b]:kv_page_indptr[b+1]]. kv_page_indptr: host
+          or device (batch + 1,) offsets; default: each sequence holds exactly ceil(length / page_size) pages.
+          The plan turns them into a block table once, on the device.
+      num_splits: KV splits per sequence; default ``schedule.choose_num_splits`` from the exact mean KV length.
+      device: where the kernels run (default: the device of a tensor argument, else the current CUDA device).
+      config_overrides: tuning only, as in ``mla_decode``.
+
+    Index values are checked here, on the host (monotonic offsets from 0, page counts); page numbers are checked
+    against the cache by ``run(check_inputs=True)``.
+    """
+    device = _plan_device(device, qo_indptr, kv_indptr, page_table, kv_indices)
+    spec = spec_for_device(device)
+    qo = _host_offsets("qo_indptr", qo_indptr)
+    kvp = _host_offsets("kv_indptr", kv_indptr)
+    if len(qo) != len(kvp):
+        raise ValueError(f"qo_indptr and kv_indptr must both be (batch + 1,), got {len(qo)} and {len(kvp)} entries")
+    if num_heads not in SUPPORTED_HEADS:
+        raise ValueError(f"num_heads: expected one of {SUPPORTED_HEADS}, got {num_heads!r}")
+    if kv_format not in ("bf16", "fp8", "mxfp4"):
+        raise ValueError(f"kv_format must be 'bf16', 'fp8' or 'mxfp4', got {kv_format!r}")
+    if q_format not in ("bf16", "fp8"):
+        raise ValueError(f"q_format must be 'bf16' or 'fp8', got {q_format!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    kv_lens = [hi - lo for lo, hi in zip(kvp, kvp[1:])]
+    batch, total_q = len(kv_lens), qo[-1]
+    table = _plan_page_table(page_size, page_table, kv_indices, kv_page_indptr, kv_lens, device)
+    overrides = dict(config_overrides or {})
+    q_tile = schedule.query_tile(total_q, batch)
+    if num_splits is None:
+        split_cfg = schedule.decode_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
+                                           q_tile=q_tile, causal=causal, split=True, page_size=page_size, **overrides)
+        num_splits = schedule.default_num_splits(spec, split_cfg, batch=batch, total_kv=sum(kv_lens))
+    the_plan = DecodePlan(
+        spec=spec, device=device, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=bool(causal),
+        sm_scale=DEFAULT_SM_SCALE if sm_scale is None else float(sm_scale), page_size=page_size, kv_lens=kv_lens,
+        total_q=total_q, num_splits=num_splits, q_tile=q_tile, qo_indptr=_device_offsets(qo_indptr, qo, device),
+        kv_indptr=_device_offsets(kv_indptr, kvp, device), page_table=table, config_overrides=overrides,
+    )
+    if total_q and batch:
+        the_plan.kernels("fp8" if q_format == "fp8" else "bf16")  # compile (or load) now, not in the first run
+    return the_plan
+
+
+def _plan_device(device, *tensors) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ValueError("device: no device tensor among the arguments and no CUDA/ROCm device; pass device=")
+
+
+def _host_offsets(name: str, offsets) -> list[int]:
+    """(batch + 1,) offsets as a host list of ints, checked: non-decreasing from 0."""
+    if isinstance(offsets, torch.Tensor):
+        if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected a 1-D int32/int64 tensor, got {offsets.dtype} of shape {tuple(offsets.shape)}")
+        values = offsets.tolist()
+    elif isinstance(offsets, (list, tuple, range)) and all(isinstance(v, int) for v in offsets):
+        values = list(offsets)
+    else:
+        raise TypeError(f"{name}: expected a list of ints or an int tensor, got {type(offsets).__name__}")
+    if not values:
+        raise ValueError(f"{name}: expected (batch + 1,) entries, got none")
+    if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name}: expected non-decreasing offsets starting at 0, got {values[:8]}...")
+    if values[-1] >= 2**31:
+        raise ValueError(f"{name}: offsets must fit int32, got {values[-1]}")
+    return values
+
+
+def _device_offsets(given, values: list[int], device: torch.device) -> torch.Tensor:
+    """The offsets as the kernels read them: the caller's tensor when it already is contiguous int32 on the device
+    (so a CUDA graph sees in-place updates), else a fresh copy."""
+    if isinstance(given, torch.Tensor) and given.device == device and given.dtype == torch.int32 and given.is_contiguous():
+        return given
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _plan_page_table(page_size, page_table, kv_indices, kv_page_indptr, kv_lens, device):
+    """The (batch, max_pages) int32 block table the paged kernels read, or None for a flat cache."""
+    if not isinstance(page_size, int) or (page_size and page_size not in SUPPORTED_PAGE_SIZES):
+        raise ValueError(f"page_size: expected 0 (flat cache) or one of {SUPPORTED_PAGE_SIZES}, got {page_size!r}")
+    needed = [-(-n // page_size) for n in kv_lens] if page_size else []
+    if not page_size:
+        if page_table is not None or kv_indices is not None or kv_page_indptr is not None:
+            raise ValueError("page_size: pass the cache's page size (> 0) with page_table / kv_indices")
+        return None
+    if (page_table is None) == (kv_indices is None):
+        raise ValueError("page_table / kv_indices: a paged plan needs exactly one of them")
+    if page_table is not None:
+        if kv_page_indptr is not None:
+            raise ValueError("kv_page_indptr: only with kv_indices, not with page_table")
+        _check_page_table(page_table, len(kv_lens), device)
+        short = [b for b, n in enumerate(needed) if n > page_table.shape[1]]
+        if short:
+            raise ValueError(f"page_table: sequence {short[0]} has {kv_lens[short[0]]} tokens, more than "
+                             f"{page_table.shape[1]} pages of {page_size} hold")
+        return page_table
+    _check_tensor("kv_indices", kv_indices, (torch.int32,), 1)
+    _check_same_device("kv_indices", kv_indices, device)
+    if kv_page_indptr is None:
+        page_offsets = [0]
+        for n in needed:
+            page_offsets.append(page_offsets[-1] + n)
+    else:
+        page_offsets = _host_offsets("kv_page_indptr", kv_page_indptr)
+        if len(page_offsets) != len(kv_lens) + 1:
+            raise ValueError(f"kv_page_indptr: expected {len(kv_lens) + 1} entries (batch + 1), got {len(page_offsets)}")
+    counts = [hi - lo for lo, hi in zip(page_offsets, page_offsets[1:])]
+    short = [b for b, (n, c) in enumerate(zip(needed, counts)) if n > c]
+    if short:
+        b = short[0]
+        raise ValueError(f"kv_page_indptr: sequence {b} has {kv_lens[b]} tokens ({needed[b]} pages of {page_size}) "
+                         f"but {counts[b]} pages")
+    if page_offsets[-1] > kv_indices.shape[0]:
+        raise ValueError(f"kv_indices: expected at least {page_offsets[-1]} entries (kv_page_indptr[-1]), "
+                         f"got {kv_indices.shape[0]}")
+    # Gather each sequence's pages into its row of the block table; columns past its pages get page 0 (never read).
+    max_pages = max(needed + [1])
+    starts = torch.tensor(page_offsets[:-1], dtype=torch.int64, device=device)
+    columns = torch.arange(max_pages, dtype=torch.int64, device=device)
+    used = columns[None, :] < torch.tensor(needed, dtype=torch.int64, device=device)[:, None]
+    if kv_indices.shape[0] == 0:
+        return torch.zeros((len(kv_lens), max_pages), dtype=torch.int32, device=device)
+    index = (starts[:, None] + columns[None, :]).clamp_(max=kv_indices.shape[0] - 1)
+    return torch.where(used, kv_indices[index], 0).to(torch.int32).contiguous()
 
 
 CUSTOM_KERNEL_FORMAT = "bf16"  # fastest format that passes the competition check (docs/perf.md, run 10): every

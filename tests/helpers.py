@@ -57,6 +57,31 @@ def describe_lengths(values: list[int], limit: int = 12) -> str:
     return f"[{', '.join(map(str, values[:limit]))}, ...] ({len(values)} seqs, min {min(values)}, max {max(values)}, sum {sum(values)})"
 
 
+def plan_and_run(q, kv_cache, qo_indptr, kv_indptr, *, page_table=None, causal=False, sm_scale=None, num_splits=None,
+                 q_format="bf16", kv_scale=None, kv_block_scale=None, out=None, lse=None, return_lse=False,
+                 csr_spare_pages=True):
+    """``mla_decode``'s signature through ``mla.decode.plan(...).run(...)``: a third entry point for the tests. A
+    page table is handed to the plan as FlashInfer-style CSR ``kv_indices`` (the table's rows back to back), with
+    one spare page after every other sequence's pages (a page list may be longer than the sequence needs)."""
+    from mla.decode import plan
+
+    page_size = 0
+    extra = {}
+    if page_table is not None:
+        page_size = kv_cache.shape[1] if kv_cache.dim() == 4 else 1
+        kv_lens = lengths(kv_indptr)
+        needed = [-(-n // page_size) for n in kv_lens]
+        counts = [n + (1 if csr_spare_pages and b % 2 and n < page_table.shape[1] else 0) for b, n in enumerate(needed)]
+        rows = [page_table[b, :c] for b, c in enumerate(counts)]
+        kv_indices = torch.cat(rows) if rows else page_table.new_empty(0)
+        extra = dict(kv_indices=kv_indices.contiguous(), kv_page_indptr=[0, *itertools.accumulate(counts)])
+    kv_format = {torch.bfloat16: "bf16", torch.uint8: "mxfp4"}.get(kv_cache.dtype, "fp8")
+    the_plan = plan(qo_indptr, kv_indptr, num_heads=q.shape[1], kv_format=kv_format, q_format=q_format, causal=causal,
+                    sm_scale=sm_scale, page_size=page_size, num_splits=num_splits, **extra)
+    return the_plan.run(q, kv_cache, kv_scale=kv_scale, kv_block_scale=kv_block_scale, out=out, lse=lse,
+                        return_lse=return_lse)
+
+
 # --- comparison ---------------------------------------------------------------------------------------------
 
 
@@ -157,18 +182,46 @@ def check_against_reference(out, ref_out, mode, qo_indptr, kv_indptr, *, lse=Non
 # --- pre-building the kernel variants in parallel --------------------------------------------------------------
 
 
+KERNEL_CLASSES = {}  # (test module, test name) -> function(**params) -> [kernel class]
+
+
+def launches(classes_of):
+    """Declares which kernel classes ``(mode, num_heads, q_tile, causal[, page_size])`` a GPU test launches, as a
+    function of its parameters; conftest builds them all in parallel before the module's first test (and
+    ``pytest --prebuild-only`` builds them into TILELANG_CACHE_DIR on a CPU box)."""
+
+    def register(test):
+        KERNEL_CLASSES[(test.__module__, test.__name__)] = classes_of
+        return test
+
+    return register
+
+
+def classes_of_items(items):
+    """The kernel classes the given collected test items launch (those declared with ``launches``)."""
+    classes = set()
+    for item in items:
+        fn = getattr(item, "function", None)
+        classes_of = KERNEL_CLASSES.get((getattr(fn, "__module__", None), getattr(item, "originalname", None)))
+        if classes_of is not None:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            classes.update(tuple(c) + (0,) * (5 - len(c)) for c in classes_of(**params))
+    return classes
+
+
 def kernel_configs(spec, classes):
     """The decode (split and direct) and combine configs the op may launch for problem classes
-    ``(mode, num_heads, q_tile, causal)``."""
+    ``(mode, num_heads, q_tile, causal, page_size)``."""
     from mla import schedule
 
     configs = []
-    for mode, heads, q_tile, causal in sorted(set(classes)):
+    for mode, heads, q_tile, causal, page_size in sorted(set(classes)):
         kv_format, q_format = MODE_FORMATS[mode]
         for split in (True, False):
             configs.append(
                 schedule.decode_config(
-                    spec, kv_format=kv_format, q_format=q_format, num_heads=heads, q_tile=q_tile, causal=causal, split=split
+                    spec, kv_format=kv_format, q_format=q_format, num_heads=heads, q_tile=q_tile, causal=causal,
+                    split=split, page_size=page_size,
                 )
             )
         configs.append(schedule.combine_config(spec, num_heads=heads))

@@ -321,6 +321,52 @@ def test_bench_peers_reports_aiter_failure_and_goes_on(monkeypatch, on_rocm):
     assert bench.format_row(rows[0]).split("aiter", 1)[1].strip().startswith("unavailable: setup failed")
 
 
+# ---------------------------------------------------------------------------- FlashInfer reading our pages
+
+
+class FakeMLAWrapper:
+    """FlashInfer's BatchMLAPagedAttentionWrapper as bench.py calls it (plan / run keywords of flashinfer 0.2+);
+    ``run`` gathers each sequence's pages from the CSR lists it was planned with and attends exactly."""
+
+    def __init__(self, workspace, backend="auto"):
+        self.backend = backend
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type):
+        self.qo, self.page_indptr = qo_indptr.tolist(), kv_indptr.tolist()
+        self.kv_indices, self.kv_lens = kv_indices.tolist(), kv_len_arr.tolist()
+        self.page_size, self.sm_scale = page_size, sm_scale
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache):
+        out = torch.zeros(q_nope.shape, dtype=torch.float32)
+        for b, n in enumerate(self.kv_lens):
+            pages = self.kv_indices[self.page_indptr[b]:self.page_indptr[b + 1]]
+            if n == 0:
+                continue
+            ckv = torch.cat([ckv_cache[p].reshape(self.page_size, -1) for p in pages])[:n].float()
+            kpe = torch.cat([kpe_cache[p].reshape(self.page_size, -1) for p in pages])[:n].float()
+            lo, hi = self.qo[b], self.qo[b + 1]
+            scores = (q_nope[lo:hi].float() @ ckv.T + q_pe[lo:hi].float() @ kpe.T) * self.sm_scale
+            out[lo:hi] = torch.softmax(scores, dim=-1) @ ckv
+        return out.bfloat16()
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16])
+def test_flashinfer_reads_the_same_pages_as_our_kernels(page_size):
+    """With --page-size the FlashInfer peer is planned over our shuffled pages (CSR page lists, NaN in every
+    unused slot): its exact stand-in must reproduce the flat reference, so the page lists describe the right rows."""
+    from mla.inputs import to_paged
+
+    data = make_ragged_inputs([5, 0, 40, 17, 1], 1, num_heads=16, device="cpu", seed=4)
+    paging = to_paged(data, page_size, seed=2) if page_size else None
+    peer = bench.Peer("fa3", module=types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeMLAWrapper)),
+                      workspace=None)
+    out = bench.flashinfer_callable(peer, data, 16, paging)()
+    ref, _ = mla_decode_reference(data[0], data[1]["bf16"], data[2], data[3])
+    assert torch.isfinite(out).all(), "a NaN slot was read: the page lists point at the wrong rows"
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
 # ------------------------------------------------------------------------------------------------ command line
 
 

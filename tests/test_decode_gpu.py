@@ -19,6 +19,7 @@ from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, 
 from mla.reference import harness_reference, mla_decode_reference
 
 from conftest import requires_gpu
+from helpers import launches
 
 pytestmark = requires_gpu
 
@@ -50,6 +51,7 @@ def poisoned(shape, dtype):
     return torch.full(shape, math.nan, dtype=dtype, device="cuda")
 
 
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
 @pytest.mark.parametrize("batch,kv_len", HARNESS_SHAPES)
 @pytest.mark.parametrize("mode", MODES)
 def test_harness_shapes(mode, batch, kv_len):
@@ -78,6 +80,7 @@ def poison_tail(data, tail_rows):
     kv_data["mxfp4"][1][-tail_rows:] = 0xFF
 
 
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("mode", MODES)
 def test_ragged_batches(mode, seed):
@@ -93,6 +96,7 @@ def test_ragged_batches(mode, seed):
     assert (out[empty] == 0).all(), "a sequence with no KV tokens must output zeros"
 
 
+@launches(lambda **_: [("bf16", 16, 1, False)])
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 33])
 def test_split_counts_agree(num_splits):
     """Any split count computes the same function (edge: more splits than tiles leaves empty splits)."""
@@ -104,6 +108,7 @@ def test_split_counts_agree(num_splits):
     assert torch.isinf(lse[-1]).all() and (lse[-1] < 0).all(), "empty sequence: LSE must be -inf"
 
 
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_graph_replay_matches_eager(mode):
     data = make_harness_inputs(32, 1024, seed=11)
@@ -124,6 +129,7 @@ def test_cuda_graph_replay_matches_eager(mode):
     assert_close_to_reference(static_out, reference_for(mode, data)[0], mode)
 
 
+@launches(lambda **_: [("bf16", 16, 1, False)])
 def test_custom_kernel_harness_entry_point():
     data = make_harness_inputs(4, 1024, seed=5)
     out = custom_kernel(data)
@@ -140,6 +146,7 @@ def test_empty_batch_and_zero_queries():
     assert mla_decode(q[:0], kv_data["bf16"], one, one).shape == (0, 16, 512)
 
 
+@launches(lambda mode, page_size, **_: [(mode, 16, 1, False, page_size)])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("mode", MODES)
 def test_paged_kv_with_shuffled_pages(mode, page_size):
@@ -163,6 +170,7 @@ def test_check_inputs_catches_bad_page_numbers():
         mla_decode(q, paged["bf16"], qo_indptr, kv_indptr, page_table=table, check_inputs=True)
 
 
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
 @pytest.mark.parametrize("mode", ["fp8", "a8w8", "mxfp4"])
 def test_compressed_cache_is_never_expanded_in_memory(mode):
     """The kernels read the compressed cache directly: the call's peak allocation stays far below the size of a
@@ -179,6 +187,7 @@ def test_compressed_cache_is_never_expanded_in_memory(mode):
     assert extra < bf16_copy_bytes / 20, f"{mode}: {extra / 1e6:.1f} MB allocated during the call"
 
 
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
 @pytest.mark.parametrize("batch,kv_len", [(4, 1024), (64, 8192)])
 @pytest.mark.parametrize("mode", MODES)
 def test_competition_check_passes(mode, batch, kv_len):

@@ -15,6 +15,7 @@ The kernel variants these tests launch are built once, in parallel, before the f
 """
 
 import dataclasses
+import itertools
 import math
 import random
 import zlib
@@ -22,17 +23,19 @@ import zlib
 import pytest
 import torch
 
+import mla.constants
 import mla.decode
 import mla.ops
-from mla.inputs import make_ragged_inputs
+from mla.inputs import make_ragged_inputs, to_paged
 
 from conftest import requires_gpu
 from helpers import (
     MODES,
     check_against_reference,
     describe_lengths,
+    launches,
+    plan_and_run,
     poisoned,
-    prebuild,
     q_tile_for,
     reference_for,
     run_mode,
@@ -41,7 +44,7 @@ from helpers import (
 pytestmark = requires_gpu
 
 HEADS = [16, 32, 64, 128]
-ENTRIES = {"mla.decode": mla.decode.mla_decode, "mla.ops": mla.ops.mla_decode}
+ENTRIES = {"mla.decode": mla.decode.mla_decode, "mla.ops": mla.ops.mla_decode, "plan": plan_and_run}
 
 
 def seed_of(*params) -> int:
@@ -49,38 +52,15 @@ def seed_of(*params) -> int:
     return zlib.crc32(repr(params).encode())
 
 
-# --- the kernel variants each test launches, built in parallel before the first test -----------------------------
-
-KERNEL_CLASSES = {}  # test name -> function(**params) -> [(mode, num_heads, q_tile, causal)]
-
-
-def launches(classes_of):
-    def register(test):
-        KERNEL_CLASSES[test.__name__] = classes_of
-        return test
-
-    return register
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels_prebuilt(request):
-    classes = set()
-    for item in request.session.items:
-        if getattr(item, "module", None) is request.module and item.originalname in KERNEL_CLASSES:
-            params = item.callspec.params if hasattr(item, "callspec") else {}
-            classes.update(KERNEL_CLASSES[item.originalname](**params))
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        prebuild(classes, log=lambda line: print(f"\n{line}", flush=True))
-
-
-def run_and_check(mode, data, *, causal=False, decode=mla.decode.mla_decode, context="", **kwargs):
-    """Runs ``mode`` into NaN-poisoned out / lse buffers and checks both against the reference."""
+def run_and_check(mode, data, *, causal=False, decode=mla.decode.mla_decode, context="", run_kv_data=None, **kwargs):
+    """Runs ``mode`` into NaN-poisoned out / lse buffers and checks both against the reference. ``run_kv_data``:
+    the caches the op reads instead of data's (e.g. the same values in shuffled pages); the reference reads data's."""
     q, _, qo_indptr, kv_indptr, _ = data
     total_q, heads = q.shape[0], q.shape[1]
     out = poisoned((total_q, heads, 512), torch.bfloat16)
     lse = poisoned((total_q, heads), torch.float32)
-    run_mode(decode, mode, data, causal=causal, out=out, lse=lse, **kwargs)
+    run_data = data if run_kv_data is None else (q, run_kv_data, *data[2:])
+    run_mode(decode, mode, run_data, causal=causal, out=out, lse=lse, **kwargs)
     ref_out, ref_lse = reference_for(mode, data, causal=causal, sm_scale=kwargs.get("sm_scale"))
     check_against_reference(out, ref_out, mode, qo_indptr, kv_indptr, lse=lse, ref_lse=ref_lse, context=context)
     return out, lse, ref_out, ref_lse
@@ -198,6 +178,93 @@ def test_caller_buffers_are_written_in_place_and_returned(mode, entry, buffers):
     if out is not None:  # return_lse=False returns the very buffer too
         again = run_mode(ENTRIES[entry], mode, data, causal=True, out=out)
         assert again is out
+
+
+# --- a plan made once per step, run by every layer ----------------------------------------------------------------
+
+
+def layer_inputs(mode, kv_lens, q_lens, layers, seed):
+    """One harness tuple per layer: same batch layout, fresh Q and KV values."""
+    return [make_ragged_inputs(kv_lens, q_lens, seed=seed + layer) for layer in range(layers)]
+
+
+def kv_arguments(mode, kv_data):
+    kv_format, q_format = mla.constants.MODES[mode]
+    if kv_format == "bf16":
+        return kv_data["bf16"], {}
+    if kv_format == "fp8":
+        return kv_data["fp8"][0], {"kv_scale": kv_data["fp8"][1]}
+    return kv_data["mxfp4"][0], {"kv_block_scale": kv_data["mxfp4"][1]}
+
+
+PLAN_KV_LENS, PLAN_Q_LENS = [700, 0, 3, 2049, 64, 65, 5000, 1], [2, 1, 3, 2, 1, 2, 4, 1]
+
+
+@launches(lambda mode, page_size, **_: [(mode, 16, q_tile_for(PLAN_Q_LENS), True, page_size)])
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("mode", MODES)
+def test_one_plan_serves_every_layer(mode, page_size):
+    """plan() once (host offsets, CSR page lists for the paged cache), then run() for three layers' caches."""
+    layers = layer_inputs(mode, PLAN_KV_LENS, PLAN_Q_LENS, 3, seed_of("plan_layers", mode, page_size))
+    q_format = mla.constants.MODES[mode][1]
+    paging, caches = {}, [layer[1] for layer in layers]
+    if page_size:
+        # Every layer's cache uses the same page list (as in a serving engine), so shuffle once.
+        paged = [to_paged(layer, page_size, seed=7) for layer in layers]
+        caches = [p[0] for p in paged]
+        table = paged[0][1]
+        needed = [-(-n // page_size) for n in PLAN_KV_LENS]
+        paging = dict(page_size=page_size, kv_indices=torch.cat([table[b, :n] for b, n in enumerate(needed)]))
+    qo = list(itertools.accumulate([0, *PLAN_Q_LENS]))
+    kvp = list(itertools.accumulate([0, *PLAN_KV_LENS]))
+    the_plan = mla.decode.plan(qo, kvp, num_heads=16, kv_format=mla.constants.MODES[mode][0], q_format=q_format,
+                               causal=True, **paging)
+    for layer, (data, cache) in enumerate(zip(layers, caches)):
+        kv, extra = kv_arguments(mode, cache)
+        total_q = data[0].shape[0]
+        out = poisoned((total_q, 16, 512), torch.bfloat16)
+        lse = poisoned((total_q, 16), torch.float32)
+        the_plan.run(data[0], kv, out=out, lse=lse, **extra)
+        ref_out, ref_lse = reference_for(mode, data, causal=True)
+        check_against_reference(out, ref_out, mode, data[2], data[3], lse=lse, ref_lse=ref_lse,
+                                context=f"{the_plan}, layer {layer}")
+
+
+@launches(lambda mode, **_: [(mode, 16, q_tile_for(PLAN_Q_LENS), True, 16)])
+@pytest.mark.parametrize("mode", ["bf16", "a8w8", "mxfp4"])
+def test_plan_runs_captured_in_one_cuda_graph(mode):
+    """Two layers' runs of one plan in one CUDA graph (the plan's split workspace is reused by both, in stream
+    order); replayed with new Q values, both layers match the reference."""
+    layers = layer_inputs(mode, PLAN_KV_LENS, PLAN_Q_LENS, 2, seed_of("plan_graph", mode))
+    paged = [to_paged(layer, 16, seed=3) for layer in layers]
+    table = paged[0][1]
+    q_format = mla.constants.MODES[mode][1]
+    the_plan = mla.decode.plan(layers[0][2], layers[0][3], num_heads=16, kv_format=mla.constants.MODES[mode][0],
+                               q_format=q_format, causal=True, page_size=16, page_table=table, num_splits=3)
+    outs = [torch.empty((layer[0].shape[0], 16, 512), dtype=torch.bfloat16, device="cuda") for layer in layers]
+    lses = [torch.empty((layer[0].shape[0], 16), dtype=torch.float32, device="cuda") for layer in layers]
+
+    def step():
+        for data, (cache, _), out, lse in zip(layers, paged, outs, lses):
+            kv, extra = kv_arguments(mode, cache)
+            the_plan.run(data[0], kv, out=out, lse=lse, **extra)
+
+    step()  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("plan_graph_q", mode))
+    for data, out, lse in zip(layers, outs, lses):
+        data[0].copy_(torch.randn(data[0].shape, dtype=data[0].dtype, device="cuda", generator=gen))
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    for layer, (data, out, lse) in enumerate(zip(layers, outs, lses)):
+        ref_out, ref_lse = reference_for(mode, data, causal=True)
+        check_against_reference(out, ref_out, mode, data[2], data[3], lse=lse, ref_lse=ref_lse,
+                                context=f"CUDA graph replay, layer {layer}")
 
 
 # --- NaN / inf stays in its sequence -------------------------------------------------------------------------------
@@ -379,9 +446,12 @@ def test_torch_compile_reduce_overhead_cudagraphs(mode):
 # --- randomized sweep ----------------------------------------------------------------------------------------------
 
 SWEEP_SEEDS = list(range(1000, 1500))  # 500 fixed cases
-# The first 96 seeds walk every kernel class (mode x heads x query tokens per CTA x causal) once, so each kernel
-# variant is checked at least once; the others draw the class at random.
-SWEEP_CLASSES = [(m, h, t, c) for m in MODES for h in HEADS for t in (1, 2, 4) for c in (False, True)]
+# The first 96 seeds walk every flat kernel class (mode x heads x query tokens per CTA x causal) once, the next 24
+# every paged class, so each kernel variant is checked at least once; the others draw the class at random (30% paged).
+SWEEP_CLASSES = [(m, h, t, c, 0) for m in MODES for h in HEADS for t in (1, 2, 4) for c in (False, True)]
+# Paged cases: every mode and page size, with two (heads, q_tile, causal) shapes (a paged kernel differs from the
+# flat one only in how a row is addressed; the other dimensions are covered flat).
+PAGED_CLASSES = [(m, h, t, c, p) for m in MODES for p in (1, 16, 64) for h, t, c in ((16, 1, False), (64, 4, True))]
 MAX_ROWS = 1 << 16  # heads * total_q: bounds memory (fp32 reference, split partials) and reference time
 MAX_PARTIAL_ROWS = 1 << 20  # heads * total_q * num_splits for a forced split count (2 GiB of fp32 partials)
 
@@ -398,12 +468,14 @@ class SweepCase:
     sm_scale: float | None
     tail_rows: int  # NaN rows after the last sequence's KV: never to be read
     entry: str
+    page_size: int  # 0: flat cache; else shuffled pages with NaN in every slot not to be read
 
     def describe(self) -> str:
         return (
             f"sweep seed {self.seed} (tests/test_serving_gpu.py::test_random_sweep[{self.seed}]): mode={self.mode} "
             f"heads={self.heads} causal={self.causal} batch={len(self.kv_lens)} num_splits={self.num_splits} "
-            f"sm_scale={self.sm_scale} tail_rows={self.tail_rows} entry={self.entry} q_tile={q_tile_for(self.q_lens)}\n"
+            f"sm_scale={self.sm_scale} tail_rows={self.tail_rows} entry={self.entry} page_size={self.page_size} "
+            f"q_tile={q_tile_for(self.q_lens)}\n"
             f"  q_lens={describe_lengths(list(self.q_lens))}\n  kv_lens={describe_lengths(list(self.kv_lens))}"
         )
 
@@ -413,9 +485,13 @@ def sweep_case(seed: int) -> SweepCase:
     rng = random.Random(seed)
     index = seed - SWEEP_SEEDS[0]
     if 0 <= index < len(SWEEP_CLASSES):
-        mode, heads, q_tile, causal = SWEEP_CLASSES[index]
+        mode, heads, q_tile, causal, page_size = SWEEP_CLASSES[index]
+    elif index < len(SWEEP_CLASSES) + len(PAGED_CLASSES):
+        mode, heads, q_tile, causal, page_size = PAGED_CLASSES[index - len(SWEEP_CLASSES)]
+    elif rng.random() < 0.3:
+        mode, heads, q_tile, causal, page_size = rng.choice(PAGED_CLASSES)
     else:
-        mode, heads, q_tile, causal = rng.choice(MODES), rng.choice(HEADS), rng.choice([1, 2, 4]), rng.random() < 0.5
+        mode, heads, q_tile, causal, page_size = rng.choice(MODES), rng.choice(HEADS), rng.choice([1, 2, 4]), rng.random() < 0.5, 0
     size = rng.random()
     if size < 0.83:
         batch, max_len = rng.randint(1, 16), rng.choice([16, 256, 2048])
@@ -453,8 +529,9 @@ def sweep_case(seed: int) -> SweepCase:
         num_splits = None
     sm_scale = None if rng.random() < 0.8 else round(rng.uniform(0.02, 0.12), 4)
     tail_rows = rng.choice([0, 0, 1, 37, 64])
-    entry = "mla.ops" if seed % 2 else "mla.decode"
-    return SweepCase(seed, mode, heads, causal, tuple(q_lens), tuple(kv_lens), num_splits, sm_scale, tail_rows, entry)
+    entry = list(ENTRIES)[seed % len(ENTRIES)]
+    return SweepCase(seed, mode, heads, causal, tuple(q_lens), tuple(kv_lens), num_splits, sm_scale, tail_rows, entry,
+                     page_size)
 
 
 def poison_tail(data, tail_rows):
@@ -468,7 +545,7 @@ def poison_tail(data, tail_rows):
 
 def sweep_classes(seed, **_):
     case = sweep_case(seed)
-    return [(case.mode, case.heads, q_tile_for(case.q_lens), case.causal)]
+    return [(case.mode, case.heads, q_tile_for(case.q_lens), case.causal, case.page_size)]
 
 
 @launches(sweep_classes)
@@ -478,9 +555,13 @@ def test_random_sweep(seed):
     data = make_ragged_inputs(list(case.kv_lens), list(case.q_lens), num_heads=case.heads, seed=seed,
                               tail_rows=case.tail_rows)
     poison_tail(data, case.tail_rows)
+    paging = {}
+    if case.page_size:
+        paged, table = to_paged(data, case.page_size, seed=seed)
+        paging = dict(run_kv_data=paged, page_table=table)
     try:
         run_and_check(case.mode, data, causal=case.causal, decode=ENTRIES[case.entry], num_splits=case.num_splits,
-                      sm_scale=case.sm_scale, context=case.describe())
+                      sm_scale=case.sm_scale, context=case.describe(), **paging)
     except AssertionError:
         raise
     except Exception as exc:  # a launch / build error: name the case too
