@@ -80,7 +80,8 @@ class DecodeKernelConfig:
             kv = bf16_tile + staged
         scales = self.block_n * MXFP4_SCALES_PER_TOKEN * 4 * self.num_stages if self.kv_format == "mxfp4" else 0
         reduce_workspace = 3 * 1024  # row max / row sum scratch of the reductions
-        return 2 * QK_DIM * self.block_m + kv + scales + 2 * self.block_m * self.block_n + reduce_workspace
+        tile_rows = 4 * self.block_n * self.tiles_per_group if self.page_size else 0  # paged: the group's cache rows
+        return 2 * QK_DIM * self.block_m + kv + scales + 2 * self.block_m * self.block_n + reduce_workspace + tile_rows
 
     @property
     def name(self) -> str:
@@ -157,30 +158,37 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             return list(reversed(index[0])) if cfg.kv_rows_as_m else list(index[0])
         return (index[1], index[0]) if cfg.kv_rows_as_m else index
 
-    def kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i):
+    def kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i):
         """Cache row of row i of the current tile. Rows past the split end repeat its last token (finite data, so
-        P V stays finite; their scores are masked). Paged: token p of sequence b is slot p % page_size of page
+        P V stays finite; their scores are masked). Flat: computed in place. Paged: ``Tile_rows`` is
+        (Group_rows, t_in): the row table ``paged_row`` filled once per group of tiles, before its pipeline (so the
+        page table is not re-read for every element, and no dependent global load precedes each element load)."""
+        if cfg.page_size == 0:
+            return kv_begin + T.min(tile_lo + i, split_hi - 1)
+        group_rows, t_in = Tile_rows
+        return group_rows[t_in, i]
+
+    def paged_row(Page_table, seq_id, tile_lo, split_hi, i):
+        """Paged cache row of row i of the current tile: token p of sequence b is slot p % page_size of page
         Page_table[b, p // page_size]."""
         pos = T.min(tile_lo + i, split_hi - 1)
-        if cfg.page_size == 0:
-            return kv_begin + pos
         return Page_table[seq_id, pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
 
-    def mxfp4_element(src, Page_table, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, d):
+    def mxfp4_element(src, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, d):
         """Element d of mxfp4 row i as fp32. The e2m1 code's 3 magnitude bits placed at fp16 bits 11..9 form an
         fp16 of value code * 2^-14 (denormal for the e2m1 subnormals, exact after conversion to fp32)."""
-        byte = T.cast(compressed(src, Page_table, seq_id, kv_begin, tile_lo, split_hi, i, d // 2), "int32")
+        byte = T.cast(compressed(src, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i, d // 2), "int32")
         code = T.shift_right(byte, (d % 2) * 4) & 15  # low nibble = even element
         half_bits = T.shift_left(code & 8, 12) | T.shift_left(code & 7, 9)
         magnitude = T.cast(T.reinterpret(T.cast(half_bits, "uint16"), "float16"), accum_dtype)
         return magnitude * 16384.0 * Block_scale[i, d // MXFP4_BLOCK]  # 16384 = 2^14
 
-    def compressed(src, Page_table, seq_id, kv_begin, tile_lo, split_hi, i, c):
+    def compressed(src, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i, c):
         """Element c of compressed row i of the current tile: from the staged shared copy, or from global memory
         (rows past the split end repeat its last token, as in the staged copy)."""
         if staged:
             return src[i, c]
-        return src[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i), c]
+        return src[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i), c]
 
     @T.macro
     def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, Out, LSE):
@@ -196,6 +204,9 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             if cfg.kv_format == "mxfp4":
                 Block_scale = T.alloc_shared([block_n, MXFP4_SCALES_PER_TOKEN], accum_dtype)
             P_shared = T.alloc_shared([block_m, block_n], compute_dtype)
+            # Paged: the cache rows of the current group of tiles (flat kernels compute rows in place).
+            if cfg.page_size:
+                Group_rows = T.alloc_shared([cfg.tiles_per_group, block_n], "int32")
             # Scores and output accumulators, [query row, token] / [query row, dim], or transposed (kv_rows_as_m).
             acc_s = T.alloc_fragment(tr([block_m, block_n]), accum_dtype)
             acc_o = T.alloc_fragment(tr([block_m, KV_LORA_RANK]), accum_dtype)
@@ -241,27 +252,34 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 # length (TileLang 0.1.15 cannot pipeline a loop whose trip count varies per CTA). Tiles past the
                 # split's end are fully masked and change nothing.
                 for group in T.serial(T.ceildiv(num_tiles, cfg.tiles_per_group)):
+                    if cfg.page_size:
+                        # Stage 2a (paged): the group's cache rows from the page table, one lookup per row.
+                        for t, i in T.Parallel(cfg.tiles_per_group, block_n):
+                            Group_rows[t, i] = paged_row(
+                                Page_table, seq_id, split_lo + (group * cfg.tiles_per_group + t) * block_n, split_hi, i
+                            )
                     for t_in in T.Pipelined(cfg.tiles_per_group, num_stages=cfg.num_stages):
                         tile_lo = split_lo + (group * cfg.tiles_per_group + t_in) * block_n
+                        Tile_rows = (Group_rows, t_in) if cfg.page_size else Page_table
                         # Stage 2: the KV tile as bf16 in shared memory (row addressing and the tail: kv_row).
                         if cfg.kv_format == "bf16":
                             for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                KV_shared[i, d] = KV[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i), d]
+                                KV_shared[i, d] = KV[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i), d]
                             for i, d in T.Parallel(block_n, ROPE_DIM):
-                                Kpe_shared[i, d] = KV[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i), KV_LORA_RANK + d]
+                                Kpe_shared[i, d] = KV[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i), KV_LORA_RANK + d]
                         elif staged:
                             for i, c in T.Parallel(block_n, kv_cols):
-                                KV_raw[i, c] = KV[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i), c]
+                                KV_raw[i, c] = KV[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i), c]
                         if cfg.kv_format == "fp8":
                             # fp8 -> bf16 is exact; the per-tensor scale is applied to scores and output instead.
                             for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                KV_shared[i, d] = T.cast(compressed(KV_raw, Page_table, seq_id, kv_begin, tile_lo, split_hi, i, d), compute_dtype)
+                                KV_shared[i, d] = T.cast(compressed(KV_raw, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i, d), compute_dtype)
                             for i, d in T.Parallel(block_n, ROPE_DIM):
-                                Kpe_shared[i, d] = T.cast(compressed(KV_raw, Page_table, seq_id, kv_begin, tile_lo, split_hi, i, KV_LORA_RANK + d), compute_dtype)
+                                Kpe_shared[i, d] = T.cast(compressed(KV_raw, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i, KV_LORA_RANK + d), compute_dtype)
                         if cfg.kv_format == "mxfp4":
                             # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127; 255 is NaN).
                             for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
-                                e = T.cast(KV_scales[kv_row(Page_table, seq_id, kv_begin, tile_lo, split_hi, i) * scale_stride + b], "int32")
+                                e = T.cast(KV_scales[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i) * scale_stride + b], "int32")
                                 Block_scale[i, b] = T.if_then_else(
                                     e == 0,
                                     T.float32(5.877471754111438e-39),
@@ -271,11 +289,11 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                             # loops (one conditional store per element defeats TileLang's vectorizer).
                             for i, d in T.Parallel(block_n, KV_LORA_RANK):
                                 KV_shared[i, d] = T.cast(
-                                    mxfp4_element(KV_raw, Page_table, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, d), compute_dtype
+                                    mxfp4_element(KV_raw, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, d), compute_dtype
                                 )
                             for i, d in T.Parallel(block_n, ROPE_DIM):
                                 Kpe_shared[i, d] = T.cast(
-                                    mxfp4_element(KV_raw, Page_table, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, KV_LORA_RANK + d),
+                                    mxfp4_element(KV_raw, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, KV_LORA_RANK + d),
                                     compute_dtype,
                                 )
 
