@@ -43,7 +43,14 @@ def decode_config(
     # of a 32-token KV tile); 256 for more rows, so a 64-row fp32 accumulator stays in registers (64 KiB over 256
     # lanes). KV tile: the largest that fits the shared memory / LDS budget.
     threads = 256 if block_m > 16 else 128
-    for block_n in (64, 32):
+    block_ns = (64, 32)
+    if block_m == 32 and not spec.is_hip:
+        # 32 rows (16 heads x 2 queries, or 32 heads): a 32-token tile and 128 threads take 77 KB, so two CTAs share
+        # an SM; with 64 tokens and 256 threads (118 KB) only one fits, and nothing overlaps its loads. 18-22%
+        # faster on large batches, 5% slower at 4 x 8192 (docs/perf.md, run 12). (32 tokens with 256 threads does
+        # not lower in TileLang 0.1.15: a layout conflict between the rescale vector and the output accumulator.)
+        block_ns, threads = (32,), 128
+    for block_n in block_ns:
         cfg = DecodeKernelConfig(
             kv_format=kv_format,
             q_format=q_format,
@@ -56,9 +63,11 @@ def decode_config(
             causal=causal,
             split=split,
             page_size=page_size,
-            # Compressed tiles are dequantized straight from global memory: on the H200 that beat staging them in
-            # shared memory first (docs/perf.md, run 3), and gfx942 has no async copy to LDS anyway.
-            stage_compressed=False,
+            # Compressed tiles of a flat cache are dequantized straight from global memory: on the H200 that beat
+            # staging them in shared memory first (docs/perf.md, run 3). A paged cache's rows are gathered, and
+            # there staging them asynchronously first wins: fp8 1.7x, mxfp4 2.7x (run 12). gfx942 has no async
+            # copy to LDS, so it never stages.
+            stage_compressed=bool(page_size) and kv_format != "bf16" and not spec.is_hip,
             fp8_dtype=spec.fp8_tl_dtype,
         )
         cfg = dataclasses.replace(cfg, **overrides)

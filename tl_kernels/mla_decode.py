@@ -55,6 +55,8 @@ class DecodeKernelConfig:
     stage_compressed: bool = False  # True copies the compressed tile to shared memory (async) before dequantizing
     # it; False dequantizes straight from global memory (faster on the H200, docs/perf.md run 3; less LDS)
     fp8_dtype: str = "float8_e4m3fn"  # "float8_e4m3fnuz" on gfx942
+    row_table_scope: str = "shared"  # paged: the row table as a static shared array, which the compiler knows
+    # cannot alias the dynamic tile buffers, so it hoists the row loads ("shared.dyn": 10-40% slower, run 12)
 
     def __post_init__(self):
         if self.kv_format not in KV_FORMATS:
@@ -92,7 +94,8 @@ class DecodeKernelConfig:
             f"_h{self.num_heads}_bh{self.block_h}_qt{self.q_tile}_bn{self.block_n}_st{self.num_stages}"
             f"_t{self.threads}_g{self.tiles_per_group}{'_causal' if self.causal else ''}"
             f"{'' if self.stage_compressed or self.kv_format == 'bf16' else '_nostage'}"
-            f"{f'_page{self.page_size}' if self.page_size else ''}{'_kvm' if self.kv_rows_as_m else ''}_{fp8}"
+            f"{f'_page{self.page_size}' if self.page_size else ''}{'_kvm' if self.kv_rows_as_m else ''}"
+            f"{'_rows' + self.row_table_scope.replace('.', '') if self.row_table_scope != 'shared' and self.page_size else ''}_{fp8}"
         )
 
 
@@ -206,7 +209,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             P_shared = T.alloc_shared([block_m, block_n], compute_dtype)
             # Paged: the cache rows of the current group of tiles (flat kernels compute rows in place).
             if cfg.page_size:
-                Group_rows = T.alloc_shared([cfg.tiles_per_group, block_n], "int32")
+                Group_rows = T.alloc_shared([cfg.tiles_per_group, block_n], "int32", scope=cfg.row_table_scope)
             # Scores and output accumulators, [query row, token] / [query row, dim], or transposed (kv_rows_as_m).
             acc_s = T.alloc_fragment(tr([block_m, block_n]), accum_dtype)
             acc_o = T.alloc_fragment(tr([block_m, KV_LORA_RANK]), accum_dtype)

@@ -42,15 +42,23 @@ def variants(mode: str) -> list[dict]:
 
 
 # Serving sweep (--serving): problem (q_len, heads) -> config overrides to try, the first being the default.
-# Run 11 found MTP and 128 heads at 40-55% / 29% of the read ceiling with the defaults (1 CTA per SM).
+# Run 11 found MTP and 128 heads at 40-55% / 29% of the read ceiling with the defaults (1 CTA per SM); run 12
+# swept these (32 rows now default to block_n=32, threads=128; block_n=64, threads=256 was the default before).
 SERVING_PROBLEMS = {
-    (2, 16): [{}, dict(block_n=32), dict(block_n=32, threads=128), dict(q_tile=1, block_h=16, threads=128)],
-    (4, 16): [{}, dict(block_n=32), dict(block_n=32, threads=128), dict(q_tile=2, block_h=16, block_n=32)],
+    (2, 16): [{}, dict(block_n=64, threads=256)],
+    (1, 32): [{}, dict(block_n=64, threads=256)],
+    (4, 16): [{}, dict(block_n=32), dict(block_n=32, threads=128)],
     (1, 128): [{}, dict(block_n=32), dict(block_h=32), dict(block_h=32, block_n=32, threads=128),
                dict(block_h=16, threads=128)],
     (1, 64): [{}, dict(block_n=32), dict(block_h=32, block_n=32, threads=128), dict(block_h=16, threads=128)],
 }
 SERVING_SHAPES = [(4, 8192), (32, 8192), (256, 8192)]
+# Paged sweep (--paged): how the dequantizing kernels address a paged cache's rows. Run 12: with the row table in
+# dynamic shared memory and no staging (the variants below), fp8 / mxfp4 paged were 2.9x / 4.5x slower than flat;
+# the defaults since then: a static row table, and compressed tiles staged asynchronously.
+PAGED_VARIANTS = [{}, dict(stage_compressed=False), dict(row_table_scope="shared.dyn", stage_compressed=False)]
+PAGED_SHAPES = [(4, 1024), (32, 8192), (256, 8192)]
+PAGED_SIZES = (16, 64)
 SERVING_MODES = ("bf16", "fp8")
 
 
@@ -67,8 +75,10 @@ def fits(spec, mode: str, overrides: dict, q_len: int = 1, heads: int = 16) -> b
         return False
 
 
-def sweep_plan(serving: bool, modes) -> list:
+def sweep_plan(serving: bool, modes, paged: bool = False) -> list:
     """[(mode, q_len, heads, overrides)] to build and time."""
+    if paged:
+        return [(mode, 1, 16, dict(o, page_size=p)) for mode in modes for p in PAGED_SIZES for o in PAGED_VARIANTS]
     if not serving:
         return [(mode, 1, 16, o) for mode in modes for o in variants(mode)]
     return [(mode, q_len, heads, o) for mode in modes if mode in SERVING_MODES
@@ -103,9 +113,17 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json")
     parser.add_argument("--serving", action="store_true", help="sweep MTP and head-count problems instead")
+    parser.add_argument("--paged", action="store_true", help="sweep how paged caches are addressed instead")
+    parser.add_argument("--problems", default=None,
+                        help="with --serving: comma-separated QLENxHEADS subset of SERVING_PROBLEMS, e.g. 2x16,1x32")
     args = parser.parse_args()
     spec = spec_for_name("sm_90a")
-    plan = sweep_plan(args.serving, args.modes.split(","))
+    if args.problems:
+        keep = {tuple(int(x) for x in p.split("x")) for p in args.problems.split(",")}
+        for key in list(SERVING_PROBLEMS):
+            if key not in keep:
+                del SERVING_PROBLEMS[key]
+    plan = sweep_plan(args.serving, args.modes.split(","), args.paged)
     if args.compile_only or not torch.cuda.is_available():
         compile_all(spec, plan)
         return 0
@@ -129,6 +147,25 @@ def main() -> int:
         print(f"{mode:6s} {row['shape']:9s} q{q_len} h{heads:<3d} splits={str(splits):5s} {variant:45s} "
               f"{time_us:9.1f} us {gbps:7.0f} GB/s  err {err:.1e}", flush=True)
 
+    if args.paged:
+        for shape in PAGED_SHAPES:
+            data = bench.make_inputs(bench.uniform_case(*shape), 1, 16, "cuda")
+            refs = bench.reference_fns(data)
+            for page_size in PAGED_SIZES:
+                paged_kv, table = bench.to_paged(data, page_size, seed=0)
+                paged_data = (data[0], paged_kv, *data[2:])
+                for mode in modes:
+                    for overrides in PAGED_VARIANTS:
+                        record(mode, shape, f"page{page_size} " + (label(overrides) or "default"), "auto",
+                               lambda o=overrides, p=paged_data, t=table: bench_call(mode, p, o, None, t),
+                               refs[mode]())
+                del paged_kv, table, paged_data
+            del data, refs
+            torch.cuda.empty_cache()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     if args.serving:
         for (q_len, heads), options in SERVING_PROBLEMS.items():
             for shape in SERVING_SHAPES:
@@ -208,8 +245,8 @@ def host_overhead(rows) -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
-def bench_call(mode, data, overrides, num_splits):
-    return run_harness(data, mode, num_splits=num_splits, config_overrides=overrides)
+def bench_call(mode, data, overrides, num_splits, page_table=None):
+    return run_harness(data, mode, num_splits=num_splits, config_overrides=overrides, page_table=page_table)
 
 
 if __name__ == "__main__":
