@@ -68,6 +68,10 @@ def decode_config(
             # there staging them asynchronously first wins: fp8 1.7x, mxfp4 2.7x (run 12). gfx942 has no async
             # copy to LDS, so it never stages.
             stage_compressed=bool(page_size) and kv_format != "bf16" and not spec.is_hip,
+            # Paged: the tile's row table as a static shared array on CUDA (run 12); in dynamic LDS on gfx942, where
+            # every LDS byte is counted in the kernel's dynamic allocation (tests/test_gfx942.py) and nothing was
+            # measured.
+            row_table_scope="shared.dyn" if spec.is_hip else "shared",
             fp8_dtype=spec.fp8_tl_dtype,
         )
         cfg = dataclasses.replace(cfg, **overrides)
