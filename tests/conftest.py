@@ -46,3 +46,14 @@ def kernels_prebuilt(request):
         capture = request.config.pluginmanager.getplugin("capturemanager")
         with capture.global_and_fixture_disabled():
             prebuild(classes, log=lambda line: print(f"\n{line}", flush=True))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the compile worker processes torch.compile started (the torch.compile tests start them): left running,
+    they compete with whatever runs next on the host, e.g. a benchmark (docs/perf.md, runs 7, 9 and 11)."""
+    import sys
+
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
+    if shutdown is not None:
+        shutdown()
