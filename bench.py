@@ -57,7 +57,7 @@ if REPO_DIR not in sys.path:
 import torch  # noqa: E402
 
 from mla import formats, jit, schedule, target  # noqa: E402
-from mla.decode import DEFAULT_SM_SCALE, SUPPORTED_HEADS, plan, run_harness  # noqa: E402
+from mla.decode import DEFAULT_SM_SCALE, SUPPORTED_HEADS, harness_cache, page_size_of, plan, run_harness  # noqa: E402
 from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged  # noqa: E402
 from mla.constants import KV_LORA_RANK, QK_DIM, ROPE_DIM  # noqa: E402
 from mla.constants import MODES as MODE_FORMATS  # noqa: E402
@@ -226,28 +226,20 @@ def bytes_moved(batch: int, kv_len: float, q_len: int, heads: int, mode: str) ->
     return kv_bytes + q_bytes + out_bytes
 
 
-def split_config(spec, mode: str, heads: int, q_len: int, split: bool, page_size: int = 0):
+def selected_kernels(spec, mode: str, case: Case, args, total_kv: int | None = None) -> tuple:
+    """(decode config, combine config or None, num_splits) that mla_decode launches for this case: the op's own
+    selection (``schedule.select_kernels``) from the same sizes. ``total_kv``: the rows of the cache the op is
+    given (a paged cache's pages hold more rows than tokens); default the case's token count."""
     kv_format, q_format = MODE_FORMATS[mode]
-    return schedule.decode_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
-                                  q_tile=schedule.query_tile(q_len, 1), split=split, page_size=page_size)
+    return schedule.select_kernels(
+        spec, kv_format=kv_format, q_format=q_format, num_heads=args.heads, causal=False,
+        page_size=args.page_size or 0, batch=case.batch, total_q=case.batch * args.q_len,
+        total_kv=case.total_kv if total_kv is None else total_kv, num_splits=args.splits,
+    )
 
 
-def modelled_num_splits(spec, mode: str, batch: int, total_kv: int, q_len: int, heads: int) -> int:
-    """The split count mla_decode chooses by default for this problem (same model, same inputs)."""
-    cfg = split_config(spec, mode, heads, q_len, split=True)
-    return schedule.default_num_splits(spec, cfg, batch=batch, total_kv=total_kv)
-
-
-def splits_for(spec, mode: str, case: Case, args) -> int:
-    return args.splits or modelled_num_splits(spec, mode, case.batch, case.total_kv, args.q_len, args.heads)
-
-
-def kernel_configs(spec, mode: str, num_splits: int, heads: int, q_len: int, page_size: int = 0) -> list:
-    """The kernel variants one call runs: the direct decode kernel, or the split one plus the combine kernel."""
-    if num_splits == 1:
-        return [split_config(spec, mode, heads, q_len, split=False, page_size=page_size)]
-    return [split_config(spec, mode, heads, q_len, split=True, page_size=page_size),
-            schedule.combine_config(spec, num_heads=heads)]
+def splits_for(spec, mode: str, case: Case, args, total_kv: int | None = None) -> int:
+    return selected_kernels(spec, mode, case, args, total_kv)[2]
 
 
 # ----------------------------------------------------------------------------------------------- the callables
@@ -271,18 +263,12 @@ def planned_call(mode: str, data, num_splits: int | None = None, page_table: tor
     """``mla.decode.plan`` for this batch (untimed, as a serving engine plans once per step for all layers; the
     split count is the op's own choice unless forced) and the ``DecodePlan.run`` call to time."""
     q, kv_data, qo_indptr, kv_indptr, _ = data
-    kv_format, q_format = MODE_FORMATS[mode]
-    kv, extra = kv_data[kv_format], {}
-    if kv_format == "fp8":
-        kv, extra = kv[0], {"kv_scale": kv[1]}
-    elif kv_format == "mxfp4":
-        kv, extra = kv[0], {"kv_block_scale": kv[1]}
-    paging = {}
-    if page_table is not None:
-        paging = dict(page_size=kv.shape[1] if kv.dim() == 4 else 1, page_table=page_table)
+    kv, cache_kwargs = harness_cache(kv_data, mode)
+    kv_format, q_format = cache_kwargs.pop("kv_format"), cache_kwargs.pop("q_format")
+    paging = {} if page_table is None else dict(page_size=page_size_of(kv), page_table=page_table)
     the_plan = plan(qo_indptr, kv_indptr, num_heads=q.shape[1], kv_format=kv_format, q_format=q_format,
                     num_splits=num_splits, causal=causal, **paging)
-    return lambda: the_plan.run(q, kv, **extra)
+    return lambda: the_plan.run(q, kv, **cache_kwargs)
 
 
 def torch_bf16_loop(data, sm_scale: float = DEFAULT_SM_SCALE) -> torch.Tensor:
@@ -693,7 +679,11 @@ def bench_modes(bench: Bench, case: Case, data, ref_fns: dict, comparisons: list
         data = (data[0], paged_kv, *data[2:])
     for mode in args.modes:
         row = base_row(case, mode, "mode", args)
-        row["num_splits"] = splits_for(bench.spec, mode, case, args)
+        # What the call divides by the batch for its split count: a plan, the exact token count; the one-shot op,
+        # the rows of the cache it is given.
+        kv = harness_cache(data[1], mode)[0]
+        cache_rows = None if args.plan else kv.shape[0] * (page_size_of(kv) if page_table is not None else 1)
+        row["num_splits"] = splits_for(bench.spec, mode, case, args, cache_rows)
         if args.plan:
             fn = planned_call(mode, data, args.splits, page_table)
         else:
@@ -900,8 +890,7 @@ def compile_only(args, cases: list[Case]) -> int:
     print_split_table(spec, cases, args)
     configs = list(dict.fromkeys(
         cfg for case in cases for mode in args.modes
-        for cfg in kernel_configs(spec, mode, splits_for(spec, mode, case, args), args.heads, args.q_len,
-                                  args.page_size or 0)
+        for cfg in selected_kernels(spec, mode, case, args)[:2] if cfg is not None
     ))
     failures = 0
     for i, cfg in enumerate(configs, 1):

@@ -95,8 +95,7 @@ def mla_decode(
     """
     call = _validate_call(q, kv_cache, qo_indptr, kv_indptr, kv_scale, kv_block_scale, kv_format, q_format, q_scale,
                           paged=page_table is not None)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    _check_num_splits(num_splits)
     sm_scale = DEFAULT_SM_SCALE if sm_scale is None else float(sm_scale)
     if page_table is not None:
         _check_page_table(page_table, call.batch, call.device)
@@ -216,20 +215,14 @@ def _launch(call: _Call, qo_indptr, kv_indptr, page_table, sm_scale, decode, com
 
 @functools.lru_cache(maxsize=4096)
 def _plan(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_q, total_kv, num_splits, overrides):
-    """(decode launcher, combine launcher or None, num_splits) for a problem; cached, since serving calls repeat
-    the same sizes and the schedule is a pure function of them."""
-    q_tile = schedule.query_tile(total_q, batch)
-    problem = dict(
-        kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal, page_size=page_size
+    """(decode launcher, combine launcher or None, num_splits): ``schedule.select_kernels``, compiled; cached,
+    since serving calls repeat the same sizes and the schedule is a pure function of them."""
+    decode_cfg, combine_cfg, num_splits = schedule.select_kernels(
+        spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal, page_size=page_size,
+        batch=batch, total_q=total_q, total_kv=total_kv, num_splits=num_splits, **dict(overrides),
     )
-    split_cfg = schedule.decode_config(spec, split=True, **problem, **dict(overrides))
-    if num_splits is None:
-        num_splits = schedule.default_num_splits(spec, split_cfg, batch=batch, total_kv=total_kv)
-    if num_splits == 1:
-        direct_cfg = schedule.decode_config(spec, split=False, **problem, **dict(overrides))
-        return jit.get_launcher(direct_cfg, spec), None, 1
-    combine_cfg = schedule.combine_config(spec, num_heads=num_heads)
-    return jit.get_launcher(split_cfg, spec), jit.get_launcher(combine_cfg, spec), num_splits
+    combine = None if combine_cfg is None else jit.get_launcher(combine_cfg, spec)
+    return jit.get_launcher(decode_cfg, spec), combine, num_splits
 
 
 class DecodePlan:
@@ -244,7 +237,7 @@ class DecodePlan:
     """
 
     def __init__(self, *, spec, device, kv_format, q_format, num_heads, causal, sm_scale, page_size, kv_lens,
-                 total_q, num_splits, q_tile, qo_indptr, kv_indptr, page_table, config_overrides):
+                 total_q, num_splits, qo_indptr, kv_indptr, page_table, overrides):
         self.spec = spec
         self.device = device
         self.kv_format = kv_format
@@ -254,15 +247,14 @@ class DecodePlan:
         self.sm_scale = sm_scale
         self.page_size = page_size  # 0: flat cache; else tokens per page (1 for a flat cache read through a table)
         self.kv_lens = kv_lens  # host copy of the planned KV lengths
+        self.kv_tokens = sum(kv_lens)
         self.batch = len(kv_lens)
         self.total_q = total_q
         self.num_splits = num_splits
-        self.q_tile = q_tile
         self.qo_indptr = qo_indptr  # (batch + 1,) int32 on the device
         self.kv_indptr = kv_indptr  # (batch + 1,) int32 on the device
         self.page_table = page_table  # (batch, max_pages) int32 on the device, or None
-        self._overrides = config_overrides
-        self._kernels = {}
+        self._overrides = overrides  # sorted (field, value) pairs, as _plan takes them
         self._o_partial = self._lse_partial = None
         if num_splits > 1 and total_q > 0:
             shape = (num_splits, total_q, num_heads)
@@ -272,20 +264,16 @@ class DecodePlan:
     def __repr__(self) -> str:
         paging = f", page_size={self.page_size}" if self.page_size else ""
         return (f"DecodePlan({self.kv_format}, q {self.q_format}, heads={self.num_heads}, batch={self.batch}, "
-                f"total_q={self.total_q}, kv_tokens={sum(self.kv_lens)}, num_splits={self.num_splits}, "
+                f"total_q={self.total_q}, kv_tokens={self.kv_tokens}, num_splits={self.num_splits}, "
                 f"causal={self.causal}{paging}, {self.spec.name})")
 
     def kernels(self, kernel_q_format: str):
         """(decode launcher, combine launcher or None) for the planned problem with Q read as
-        ``kernel_q_format``; built (or loaded from the disk cache) on first use."""
-        if kernel_q_format not in self._kernels:
-            problem = dict(kv_format=self.kv_format, q_format=kernel_q_format, num_heads=self.num_heads,
-                           q_tile=self.q_tile, causal=self.causal, page_size=self.page_size, **self._overrides)
-            split = self.num_splits > 1
-            decode = jit.get_launcher(schedule.decode_config(self.spec, split=split, **problem), self.spec)
-            combine = jit.get_launcher(schedule.combine_config(self.spec, num_heads=self.num_heads), self.spec) if split else None
-            self._kernels[kernel_q_format] = (decode, combine)
-        return self._kernels[kernel_q_format]
+        ``kernel_q_format``: the one-shot op's selection (``_plan``) with the planned split count."""
+        decode, combine, _ = _plan(self.spec, self.kv_format, kernel_q_format, self.num_heads, self.causal,
+                                   self.page_size, self.batch, self.total_q, self.kv_tokens, self.num_splits,
+                                   self._overrides)
+        return decode, combine
 
     def run(
         self,
@@ -313,8 +301,8 @@ class DecodePlan:
             raise ValueError(f"q: the plan's qo_indptr holds {self.total_q} query rows, q has {call.total_q}")
         if call.page_size != self.page_size:
             raise ValueError(f"kv_cache: this plan is for page_size {self.page_size}, the cache has {call.page_size}")
-        if not self.page_size and sum(self.kv_lens) > call.cache_rows:
-            raise ValueError(f"kv_cache: the plan's kv_indptr reaches row {sum(self.kv_lens)}, the cache has {call.cache_rows}")
+        if not self.page_size and self.kv_tokens > call.cache_rows:
+            raise ValueError(f"kv_cache: the plan's kv_indptr reaches row {self.kv_tokens}, the cache has {call.cache_rows}")
         out, lse = _outputs(call, out, lse)
         if check_inputs and self.page_table is not None:
             validate_index_values(self.qo_indptr, self.kv_indptr, call.cache_rows, call.total_q, self.page_table,
@@ -379,26 +367,23 @@ def plan(
         raise ValueError(f"kv_format must be 'bf16', 'fp8' or 'mxfp4', got {kv_format!r}")
     if q_format not in ("bf16", "fp8"):
         raise ValueError(f"q_format must be 'bf16' or 'fp8', got {q_format!r}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    _check_num_splits(num_splits)
     kv_lens = [hi - lo for lo, hi in zip(kvp, kvp[1:])]
     batch, total_q = len(kv_lens), qo[-1]
     table = _plan_page_table(page_size, page_table, kv_indices, kv_page_indptr, kv_lens, device)
-    overrides = dict(config_overrides or {})
-    q_tile = schedule.query_tile(total_q, batch)
-    if num_splits is None:
-        split_cfg = schedule.decode_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
-                                           q_tile=q_tile, causal=causal, split=True, page_size=page_size, **overrides)
-        num_splits = schedule.default_num_splits(spec, split_cfg, batch=batch, total_kv=sum(kv_lens))
-    the_plan = DecodePlan(
-        spec=spec, device=device, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=bool(causal),
-        sm_scale=DEFAULT_SM_SCALE if sm_scale is None else float(sm_scale), page_size=page_size, kv_lens=kv_lens,
-        total_q=total_q, num_splits=num_splits, q_tile=q_tile, qo_indptr=_device_offsets(qo_indptr, qo, device),
-        kv_indptr=_device_offsets(kv_indptr, kvp, device), page_table=table, config_overrides=overrides,
-    )
+    overrides = tuple(sorted(config_overrides.items())) if config_overrides else ()
+    causal = bool(causal)
     if total_q and batch:
-        the_plan.kernels("fp8" if q_format == "fp8" else "bf16")  # compile (or load) now, not in the first run
-    return the_plan
+        # The one-shot op's selection, with the exact token count; builds (or loads) the kernels now, not in the
+        # first run.
+        num_splits = _plan(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_q, sum(kv_lens),
+                           num_splits, overrides)[2]
+    return DecodePlan(
+        spec=spec, device=device, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
+        sm_scale=DEFAULT_SM_SCALE if sm_scale is None else float(sm_scale), page_size=page_size, kv_lens=kv_lens,
+        total_q=total_q, num_splits=num_splits or 1, qo_indptr=_device_offsets(qo_indptr, qo, device),
+        kv_indptr=_device_offsets(kv_indptr, kvp, device), page_table=table, overrides=overrides,
+    )
 
 
 def _plan_device(device, *tensors) -> torch.device:
@@ -480,11 +465,11 @@ def _plan_page_table(page_size, page_table, kv_indices, kv_page_indptr, kv_lens,
                          f"got {kv_indices.shape[0]}")
     # Gather each sequence's pages into its row of the block table; columns past its pages get page 0 (never read).
     max_pages = max(needed + [1])
+    if kv_indices.shape[0] == 0:
+        return torch.zeros((len(kv_lens), max_pages), dtype=torch.int32, device=device)
     starts = torch.tensor(page_offsets[:-1], dtype=torch.int64, device=device)
     columns = torch.arange(max_pages, dtype=torch.int64, device=device)
     used = columns[None, :] < torch.tensor(needed, dtype=torch.int64, device=device)[:, None]
-    if kv_indices.shape[0] == 0:
-        return torch.zeros((len(kv_lens), max_pages), dtype=torch.int32, device=device)
     index = (starts[:, None] + columns[None, :]).clamp_(max=kv_indices.shape[0] - 1)
     return torch.where(used, kv_indices[index], 0).to(torch.int32).contiguous()
 
@@ -497,20 +482,29 @@ def run_harness(data, mode: str = "bf16", *, op=None, **kwargs):
     """``op`` (default ``mla_decode``; ``mla.ops.mla_decode`` works too) on a harness tuple
     ``(q, kv_data, qo_indptr, kv_indptr, config)`` in ``mode``: "bf16" (bf16 KV), "fp8" (bf16 Q, fp8 KV),
     "a8w8" (fp8 Q, fp8 KV) or "mxfp4" (bf16 Q, mxfp4 KV). ``kwargs`` go to the op."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
     op = mla_decode if op is None else op
     q, kv_data, qo_indptr, kv_indptr, _ = data
+    kv, cache_kwargs = harness_cache(kv_data, mode)
+    return op(q, kv, qo_indptr, kv_indptr, **cache_kwargs, **kwargs)
+
+
+def harness_cache(kv_data, mode: str) -> tuple[torch.Tensor, dict]:
+    """(the cache tensor, the op's keywords for it: kv_format, q_format and the cache's scales) of a harness
+    ``kv_data`` dict in ``mode``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
     kv_format, q_format = MODES[mode]
+    kwargs = dict(kv_format=kv_format, q_format=q_format)
     if kv_format == "bf16":
-        kv, extra = kv_data["bf16"], {}
-    elif kv_format == "fp8":
-        kv, kv_scale = kv_data["fp8"]
-        extra = {"kv_scale": kv_scale}
-    else:
-        kv, block_scale = kv_data["mxfp4"]
-        extra = {"kv_block_scale": block_scale}
-    return op(q, kv, qo_indptr, kv_indptr, q_format=q_format, **extra, **kwargs)
+        return kv_data["bf16"], kwargs
+    kv, scale = kv_data[kv_format]
+    return kv, dict(kwargs, **{"kv_scale" if kv_format == "fp8" else "kv_block_scale": scale})
+
+
+def page_size_of(kv_cache: torch.Tensor) -> int:
+    """Tokens per page of a cache read through a page table: dim 1 of a (num_pages, page_size, 1, row) cache, 1 for
+    a flat (total_kv, 1, row) one."""
+    return kv_cache.shape[1] if kv_cache.dim() == 4 else 1
 
 
 def custom_kernel(data):
@@ -594,6 +588,11 @@ def _check_kv(kv_cache: torch.Tensor, kv_format: str, device: torch.device, spec
     return (formats.as_uint8(rows) if kv_format == "mxfp4" else rows), page_size
 
 
+def _check_num_splits(num_splits) -> None:
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+
+
 def _check_page_table(page_table, batch: int, device: torch.device) -> None:
     _check_tensor("page_table", page_table, (torch.int32,), 2)
     _check_same_device("page_table", page_table, device)
@@ -606,12 +605,9 @@ def _check_page_table(page_table, batch: int, device: torch.device) -> None:
 def validate_index_values(qo_indptr, kv_indptr, cache_rows: int, total_q: int, page_table=None, page_size: int = 0) -> None:
     """Host-side checks of index *values* (they need a device-to-host copy, so the op runs them only when asked:
     ``mla_decode(..., check_inputs=True)``). Raises ValueError naming the argument."""
-    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
-    for name, ptr, limit in (("qo_indptr", qo, total_q), ("kv_indptr", kvp, None)):
-        if ptr[0] != 0 or any(b < a for a, b in zip(ptr, ptr[1:])):
-            raise ValueError(f"{name}: expected non-decreasing offsets starting at 0, got {ptr[:8]}...")
-        if limit is not None and ptr[-1] != limit:
-            raise ValueError(f"{name}: last offset {ptr[-1]} must equal the number of rows of q ({limit})")
+    qo, kvp = _host_offsets("qo_indptr", qo_indptr), _host_offsets("kv_indptr", kv_indptr)
+    if qo[-1] != total_q:
+        raise ValueError(f"qo_indptr: last offset {qo[-1]} must equal the number of rows of q ({total_q})")
     if page_table is None:
         if kvp[-1] > cache_rows:
             raise ValueError(f"kv_indptr: last offset {kvp[-1]} exceeds the cache's {cache_rows} rows")

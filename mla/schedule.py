@@ -97,6 +97,33 @@ def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int,
     )
 
 
+def select_kernels(
+    spec: TargetSpec,
+    *,
+    kv_format: str,
+    q_format: str,
+    num_heads: int,
+    causal: bool,
+    page_size: int,
+    batch: int,
+    total_q: int,
+    total_kv: int,
+    num_splits: int | None = None,
+    **overrides,
+) -> tuple[DecodeKernelConfig, CombineKernelConfig | None, int]:
+    """What the op launches for a problem: (decode config, combine config or None, num_splits). ``total_kv`` is the
+    token count the split model divides by ``batch`` (the op passes its cache's rows; a plan the exact sum);
+    ``num_splits`` forces the split count; 1 means the direct kernel and no combine. ``overrides``: tuning only."""
+    problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=query_tile(total_q, batch),
+                   causal=causal, page_size=page_size, **overrides)
+    split_cfg = decode_config(spec, split=True, **problem)
+    if num_splits is None:
+        num_splits = default_num_splits(spec, split_cfg, batch=batch, total_kv=total_kv)
+    if num_splits == 1:
+        return decode_config(spec, split=False, **problem), None, 1
+    return split_cfg, combine_config(spec, num_heads=num_heads), num_splits
+
+
 def combine_config(spec: TargetSpec, *, num_heads: int = 16) -> CombineKernelConfig:
     return CombineKernelConfig(num_heads=num_heads, threads=128)
 

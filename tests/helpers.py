@@ -57,25 +57,23 @@ def describe_lengths(values: list[int], limit: int = 12) -> str:
     return f"[{', '.join(map(str, values[:limit]))}, ...] ({len(values)} seqs, min {min(values)}, max {max(values)}, sum {sum(values)})"
 
 
-def plan_and_run(q, kv_cache, qo_indptr, kv_indptr, *, page_table=None, causal=False, sm_scale=None, num_splits=None,
-                 q_format="bf16", kv_scale=None, kv_block_scale=None, out=None, lse=None, return_lse=False,
-                 csr_spare_pages=True):
+def plan_and_run(q, kv_cache, qo_indptr, kv_indptr, *, kv_format, page_table=None, causal=False, sm_scale=None,
+                 num_splits=None, q_format="bf16", kv_scale=None, kv_block_scale=None, out=None, lse=None,
+                 return_lse=False, csr_spare_pages=True):
     """``mla_decode``'s signature through ``mla.decode.plan(...).run(...)``: a third entry point for the tests. A
     page table is handed to the plan as FlashInfer-style CSR ``kv_indices`` (the table's rows back to back), with
     one spare page after every other sequence's pages (a page list may be longer than the sequence needs)."""
-    from mla.decode import plan
+    from mla.decode import page_size_of, plan
 
     page_size = 0
     extra = {}
     if page_table is not None:
-        page_size = kv_cache.shape[1] if kv_cache.dim() == 4 else 1
-        kv_lens = lengths(kv_indptr)
-        needed = [-(-n // page_size) for n in kv_lens]
+        page_size = page_size_of(kv_cache)
+        needed = [-(-n // page_size) for n in lengths(kv_indptr)]
         counts = [n + (1 if csr_spare_pages and b % 2 and n < page_table.shape[1] else 0) for b, n in enumerate(needed)]
         rows = [page_table[b, :c] for b, c in enumerate(counts)]
         kv_indices = torch.cat(rows) if rows else page_table.new_empty(0)
         extra = dict(kv_indices=kv_indices.contiguous(), kv_page_indptr=[0, *itertools.accumulate(counts)])
-    kv_format = {torch.bfloat16: "bf16", torch.uint8: "mxfp4"}.get(kv_cache.dtype, "fp8")
     the_plan = plan(qo_indptr, kv_indptr, num_heads=q.shape[1], kv_format=kv_format, q_format=q_format, causal=causal,
                     sm_scale=sm_scale, page_size=page_size, num_splits=num_splits, **extra)
     return the_plan.run(q, kv_cache, kv_scale=kv_scale, kv_block_scale=kv_block_scale, out=out, lse=lse,

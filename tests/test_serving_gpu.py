@@ -189,12 +189,9 @@ def layer_inputs(mode, kv_lens, q_lens, layers, seed):
 
 
 def kv_arguments(mode, kv_data):
-    kv_format, q_format = mla.constants.MODES[mode]
-    if kv_format == "bf16":
-        return kv_data["bf16"], {}
-    if kv_format == "fp8":
-        return kv_data["fp8"][0], {"kv_scale": kv_data["fp8"][1]}
-    return kv_data["mxfp4"][0], {"kv_block_scale": kv_data["mxfp4"][1]}
+    """(cache, its scale keywords) for DecodePlan.run."""
+    kv, kwargs = mla.decode.harness_cache(kv_data, mode)
+    return kv, {k: v for k, v in kwargs.items() if k not in ("kv_format", "q_format")}
 
 
 PLAN_KV_LENS, PLAN_Q_LENS = [700, 0, 3, 2049, 64, 65, 5000, 1], [2, 1, 3, 2, 1, 2, 4, 1]

@@ -161,15 +161,14 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             return list(reversed(index[0])) if cfg.kv_rows_as_m else list(index[0])
         return (index[1], index[0]) if cfg.kv_rows_as_m else index
 
-    def kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i):
-        """Cache row of row i of the current tile. Rows past the split end repeat its last token (finite data, so
-        P V stays finite; their scores are masked). Flat: computed in place. Paged: ``Tile_rows`` is
-        (Group_rows, t_in): the row table ``paged_row`` filled once per group of tiles, before its pipeline (so the
-        page table is not re-read for every element, and no dependent global load precedes each element load)."""
-        if cfg.page_size == 0:
-            return kv_begin + T.min(tile_lo + i, split_hi - 1)
-        group_rows, t_in = Tile_rows
-        return group_rows[t_in, i]
+    def tile_rows(Group_rows, t_in, kv_begin, tile_lo, split_hi):
+        """``row_of(i)``: the cache row of row i of the current tile. Rows past the split end repeat its last token
+        (finite data, so P V stays finite; their scores are masked). Flat: computed in place. Paged: read from the
+        group's row table that ``paged_row`` filled before the tile pipeline (so no dependent page-table load
+        precedes each element load)."""
+        if cfg.page_size:
+            return lambda i: Group_rows[t_in, i]
+        return lambda i: kv_begin + T.min(tile_lo + i, split_hi - 1)
 
     def paged_row(Page_table, seq_id, tile_lo, split_hi, i):
         """Paged cache row of row i of the current tile: token p of sequence b is slot p % page_size of page
@@ -177,21 +176,21 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         pos = T.min(tile_lo + i, split_hi - 1)
         return Page_table[seq_id, pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
 
-    def mxfp4_element(src, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, d):
+    def mxfp4_element(src, row_of, Block_scale, i, d):
         """Element d of mxfp4 row i as fp32. The e2m1 code's 3 magnitude bits placed at fp16 bits 11..9 form an
         fp16 of value code * 2^-14 (denormal for the e2m1 subnormals, exact after conversion to fp32)."""
-        byte = T.cast(compressed(src, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i, d // 2), "int32")
+        byte = T.cast(compressed(src, row_of, i, d // 2), "int32")
         code = T.shift_right(byte, (d % 2) * 4) & 15  # low nibble = even element
         half_bits = T.shift_left(code & 8, 12) | T.shift_left(code & 7, 9)
         magnitude = T.cast(T.reinterpret(T.cast(half_bits, "uint16"), "float16"), accum_dtype)
         return magnitude * 16384.0 * Block_scale[i, d // MXFP4_BLOCK]  # 16384 = 2^14
 
-    def compressed(src, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i, c):
+    def compressed(src, row_of, i, c):
         """Element c of compressed row i of the current tile: from the staged shared copy, or from global memory
         (rows past the split end repeat its last token, as in the staged copy)."""
         if staged:
             return src[i, c]
-        return src[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i), c]
+        return src[row_of(i), c]
 
     @T.macro
     def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, Out, LSE):
@@ -263,26 +262,26 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                             )
                     for t_in in T.Pipelined(cfg.tiles_per_group, num_stages=cfg.num_stages):
                         tile_lo = split_lo + (group * cfg.tiles_per_group + t_in) * block_n
-                        Tile_rows = (Group_rows, t_in) if cfg.page_size else Page_table
-                        # Stage 2: the KV tile as bf16 in shared memory (row addressing and the tail: kv_row).
+                        row_of = tile_rows(Group_rows if cfg.page_size else None, t_in, kv_begin, tile_lo, split_hi)
+                        # Stage 2: the KV tile as bf16 in shared memory.
                         if cfg.kv_format == "bf16":
                             for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                KV_shared[i, d] = KV[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i), d]
+                                KV_shared[i, d] = KV[row_of(i), d]
                             for i, d in T.Parallel(block_n, ROPE_DIM):
-                                Kpe_shared[i, d] = KV[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i), KV_LORA_RANK + d]
+                                Kpe_shared[i, d] = KV[row_of(i), KV_LORA_RANK + d]
                         elif staged:
                             for i, c in T.Parallel(block_n, kv_cols):
-                                KV_raw[i, c] = KV[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i), c]
+                                KV_raw[i, c] = KV[row_of(i), c]
                         if cfg.kv_format == "fp8":
                             # fp8 -> bf16 is exact; the per-tensor scale is applied to scores and output instead.
                             for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                KV_shared[i, d] = T.cast(compressed(KV_raw, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i, d), compute_dtype)
+                                KV_shared[i, d] = T.cast(compressed(KV_raw, row_of, i, d), compute_dtype)
                             for i, d in T.Parallel(block_n, ROPE_DIM):
-                                Kpe_shared[i, d] = T.cast(compressed(KV_raw, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i, KV_LORA_RANK + d), compute_dtype)
+                                Kpe_shared[i, d] = T.cast(compressed(KV_raw, row_of, i, KV_LORA_RANK + d), compute_dtype)
                         if cfg.kv_format == "mxfp4":
                             # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127; 255 is NaN).
                             for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
-                                e = T.cast(KV_scales[kv_row(Tile_rows, seq_id, kv_begin, tile_lo, split_hi, i) * scale_stride + b], "int32")
+                                e = T.cast(KV_scales[row_of(i) * scale_stride + b], "int32")
                                 Block_scale[i, b] = T.if_then_else(
                                     e == 0,
                                     T.float32(5.877471754111438e-39),
@@ -292,11 +291,11 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                             # loops (one conditional store per element defeats TileLang's vectorizer).
                             for i, d in T.Parallel(block_n, KV_LORA_RANK):
                                 KV_shared[i, d] = T.cast(
-                                    mxfp4_element(KV_raw, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, d), compute_dtype
+                                    mxfp4_element(KV_raw, row_of, Block_scale, i, d), compute_dtype
                                 )
                             for i, d in T.Parallel(block_n, ROPE_DIM):
                                 Kpe_shared[i, d] = T.cast(
-                                    mxfp4_element(KV_raw, Tile_rows, seq_id, kv_begin, tile_lo, split_hi, Block_scale, i, KV_LORA_RANK + d),
+                                    mxfp4_element(KV_raw, row_of, Block_scale, i, KV_LORA_RANK + d),
                                     compute_dtype,
                                 )
 

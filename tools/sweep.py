@@ -75,14 +75,14 @@ def fits(spec, mode: str, overrides: dict, q_len: int = 1, heads: int = 16) -> b
         return False
 
 
-def sweep_plan(serving: bool, modes, paged: bool = False) -> list:
+def sweep_plan(serving: bool, modes, paged: bool = False, problems=SERVING_PROBLEMS) -> list:
     """[(mode, q_len, heads, overrides)] to build and time."""
     if paged:
         return [(mode, 1, 16, dict(o, page_size=p)) for mode in modes for p in PAGED_SIZES for o in PAGED_VARIANTS]
     if not serving:
         return [(mode, 1, 16, o) for mode in modes for o in variants(mode)]
     return [(mode, q_len, heads, o) for mode in modes if mode in SERVING_MODES
-            for (q_len, heads), options in SERVING_PROBLEMS.items() for o in options]
+            for (q_len, heads), options in problems.items() for o in options]
 
 
 def compile_all(spec, plan) -> None:
@@ -118,12 +118,11 @@ def main() -> int:
                         help="with --serving: comma-separated QLENxHEADS subset of SERVING_PROBLEMS, e.g. 2x16,1x32")
     args = parser.parse_args()
     spec = spec_for_name("sm_90a")
+    problems = SERVING_PROBLEMS
     if args.problems:
         keep = {tuple(int(x) for x in p.split("x")) for p in args.problems.split(",")}
-        for key in list(SERVING_PROBLEMS):
-            if key not in keep:
-                del SERVING_PROBLEMS[key]
-    plan = sweep_plan(args.serving, args.modes.split(","), args.paged)
+        problems = {key: options for key, options in SERVING_PROBLEMS.items() if key in keep}
+    plan = sweep_plan(args.serving, args.modes.split(","), args.paged, problems)
     if args.compile_only or not torch.cuda.is_available():
         compile_all(spec, plan)
         return 0
@@ -162,12 +161,8 @@ def main() -> int:
                 del paged_kv, table, paged_data
             del data, refs
             torch.cuda.empty_cache()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return 0
-    if args.serving:
-        for (q_len, heads), options in SERVING_PROBLEMS.items():
+    elif args.serving:
+        for (q_len, heads), options in problems.items():
             for shape in SERVING_SHAPES:
                 data = bench.make_inputs(bench.uniform_case(*shape), q_len, heads, "cuda")
                 refs = bench.reference_fns(data)
@@ -178,27 +173,24 @@ def main() -> int:
                                    lambda o=overrides: bench_call(mode, data, o, None), refs[mode](), q_len, heads)
                 del data, refs
                 torch.cuda.empty_cache()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return 0
-    for mode in modes:
-        for shape in SHAPES:
-            data = bench.make_inputs(bench.uniform_case(*shape), 1, 16, "cuda")
-            ref = bench.reference_fns(data)[mode]()
-            for overrides in variants(mode):
-                if not fits(spec, mode, overrides):
-                    continue
-                record(mode, shape, label(overrides), "auto",
-                       lambda o=overrides: bench_call(mode, data, o, None), ref)
-    for mode in modes if SPLIT_SWEEP else []:
-        for shape in SPLIT_SHAPES:
-            data = bench.make_inputs(bench.uniform_case(*shape), 1, 16, "cuda")
-            ref = bench.reference_fns(data)[mode]()
-            for splits in SPLIT_COUNTS:
-                if splits <= -(-shape[1] // 32):
-                    record(mode, shape, "default", splits, lambda s=splits: bench_call(mode, data, {}, s), ref)
-    host_overhead(rows)
+    else:
+        for mode in modes:
+            for shape in SHAPES:
+                data = bench.make_inputs(bench.uniform_case(*shape), 1, 16, "cuda")
+                ref = bench.reference_fns(data)[mode]()
+                for overrides in variants(mode):
+                    if not fits(spec, mode, overrides):
+                        continue
+                    record(mode, shape, label(overrides), "auto",
+                           lambda o=overrides: bench_call(mode, data, o, None), ref)
+        for mode in modes if SPLIT_SWEEP else []:
+            for shape in SPLIT_SHAPES:
+                data = bench.make_inputs(bench.uniform_case(*shape), 1, 16, "cuda")
+                ref = bench.reference_fns(data)[mode]()
+                for splits in SPLIT_COUNTS:
+                    if splits <= -(-shape[1] // 32):
+                        record(mode, shape, "default", splits, lambda s=splits: bench_call(mode, data, {}, s), ref)
+        host_overhead(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
