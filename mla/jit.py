@@ -10,14 +10,17 @@ import time
 from mla.target import TargetSpec
 from tl_kernels.mla_combine import CombineKernelConfig, mla_combine_kernel
 from tl_kernels.mla_decode import DecodeKernelConfig, mla_decode_kernel
+from tl_kernels.mla_decode_ws import WSDecodeKernelConfig, mla_decode_ws_kernel
 
 log = logging.getLogger("mla")
 
 
-def prim_func(cfg: DecodeKernelConfig | CombineKernelConfig):
+def prim_func(cfg: DecodeKernelConfig | WSDecodeKernelConfig | CombineKernelConfig):
     """The TileLang prim_func of a kernel config."""
     if isinstance(cfg, DecodeKernelConfig):
         return mla_decode_kernel(cfg)
+    if isinstance(cfg, WSDecodeKernelConfig):
+        return mla_decode_ws_kernel(cfg)
     if isinstance(cfg, CombineKernelConfig):
         return mla_combine_kernel(cfg)
     raise TypeError(f"not a kernel config: {type(cfg).__name__}")

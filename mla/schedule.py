@@ -10,6 +10,7 @@ from mla import constants
 from mla.target import TargetSpec
 from tl_kernels.mla_combine import CombineKernelConfig
 from tl_kernels.mla_decode import DecodeKernelConfig
+from tl_kernels.mla_decode_ws import WSDecodeKernelConfig
 
 MAX_SPLITS = 64
 # Cost model of one CTA, in units of "one KV tile streamed": fixed work per CTA (Q load, output write, launch
@@ -17,6 +18,13 @@ MAX_SPLITS = 64
 CTA_OVERHEAD_TILES = 2.0
 COMBINE_OVERHEAD_TILES = 2.0
 COMBINE_TILES_PER_SPLIT = 0.1  # the combine reads every split's partial output: its cost grows with the count
+# The warp-specialised kernel merges the splits itself (the last CTA of a sequence reads every partial): no second
+# launch, only the reading. Tuned on the H200 (docs/perf.md, run 14).
+WS_COMBINE_OVERHEAD_TILES = 0.5
+WS_COMBINE_TILES_PER_SPLIT = 0.25
+# Depth of the warp-specialised kernel's raw-tile ring per KV format: as deep as shared memory allows, one CTA per SM
+# (docs/perf.md, run 14).
+WS_STAGES = {"bf16": 2, "fp8": 3, "mxfp4": 3}
 
 
 def decode_config(
@@ -97,6 +105,37 @@ def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int,
     )
 
 
+def uses_ws(spec: TargetSpec, *, num_heads: int, q_tile: int) -> bool:
+    """Whether the warp-specialised kernel family serves this problem class: Hopper (wgmma, setmaxnreg) and 16
+    query rows per CTA (16 heads, one query token per pass). Wider problems (more heads, MTP tiles of 2-4 queries)
+    keep the 32/64-row kernel of ``tl_kernels.mla_decode``."""
+    return spec.name == "sm_90a" and num_heads == 16 and q_tile == 1
+
+
+def ws_config(
+    spec: TargetSpec, *, kv_format: str, q_format: str = "bf16", num_heads: int = 16, causal: bool = False,
+    page_size: int = 0, **overrides,
+) -> WSDecodeKernelConfig:
+    """The warp-specialised kernel's config for a problem class; ``overrides`` replace the defaults (tuning)."""
+    cfg = WSDecodeKernelConfig(
+        kv_format=kv_format, q_format=q_format, num_heads=num_heads, num_stages=WS_STAGES[kv_format], causal=causal,
+        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype,
+    )
+    cfg = dataclasses.replace(cfg, **overrides)
+    if cfg.shared_bytes > spec.smem_bytes:
+        raise ValueError(f"{cfg.name} needs {cfg.shared_bytes} B of shared memory; {spec.name} has {spec.smem_bytes}")
+    return cfg
+
+
+def ws_num_splits(spec: TargetSpec, cfg: WSDecodeKernelConfig, *, batch: int, total_kv: int) -> int:
+    """KV splits per sequence for the warp-specialised kernel (one CTA per SM; the merge is fused)."""
+    return choose_num_splits(
+        batch=batch, total_kv=total_kv, num_sms=spec.num_sms, ctas_per_sm=ctas_per_sm(spec, cfg), block_n=cfg.block_n,
+        head_groups=cfg.num_heads // cfg.block_h, combine_overhead=WS_COMBINE_OVERHEAD_TILES,
+        combine_per_split=WS_COMBINE_TILES_PER_SPLIT,
+    )
+
+
 def select_kernels(
     spec: TargetSpec,
     *,
@@ -114,7 +153,15 @@ def select_kernels(
     """What the op launches for a problem: (decode config, combine config or None, num_splits). ``total_kv`` is the
     token count the split model divides by ``batch`` (the op passes its cache's rows; a plan the exact sum);
     ``num_splits`` forces the split count; 1 means the direct kernel and no combine. ``overrides``: tuning only."""
-    problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=query_tile(total_q, batch),
+    q_tile = query_tile(total_q, batch)
+    if uses_ws(spec, num_heads=num_heads, q_tile=q_tile):
+        # One launch whatever the split count: the kernel merges its splits (``combine`` is None).
+        cfg = ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
+                        page_size=page_size, **overrides)
+        if num_splits is None:
+            num_splits = ws_num_splits(spec, cfg, batch=batch, total_kv=total_kv)
+        return cfg, None, num_splits
+    problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile,
                    causal=causal, page_size=page_size, **overrides)
     split_cfg = decode_config(spec, split=True, **problem)
     if num_splits is None:
@@ -128,7 +175,7 @@ def combine_config(spec: TargetSpec, *, num_heads: int = 16) -> CombineKernelCon
     return CombineKernelConfig(num_heads=num_heads, threads=128)
 
 
-def ctas_per_sm(spec: TargetSpec, cfg: DecodeKernelConfig) -> int:
+def ctas_per_sm(spec: TargetSpec, cfg: DecodeKernelConfig | WSDecodeKernelConfig) -> int:
     """How many decode CTAs fit on one SM / CU at once (shared memory is the binding limit)."""
     return max(1, min(spec.smem_bytes // max(cfg.shared_bytes, 1), 2048 // cfg.threads, 8))
 
@@ -142,11 +189,14 @@ def choose_num_splits(
     block_n: int,
     head_groups: int = 1,
     max_splits: int = MAX_SPLITS,
+    combine_overhead: float = COMBINE_OVERHEAD_TILES,
+    combine_per_split: float = COMBINE_TILES_PER_SPLIT,
 ) -> int:
     """KV splits per sequence for a batch whose mean KV length is total_kv / batch.
 
     Picks the split count with the lowest modelled time: the number of CTA waves times the tiles one CTA streams
-    plus its fixed overhead, plus the combine kernel when splitting. 1 means no combine kernel at all.
+    plus its fixed overhead, plus the merge of the splits (a combine kernel, or the fused merge of the
+    warp-specialised kernel: ``combine_overhead`` + ``combine_per_split`` per split). 1 means no merge at all.
     """
     if batch <= 0 or total_kv <= 0:
         return 1
@@ -155,7 +205,7 @@ def choose_num_splits(
     best, best_cost = 1, math.inf
     for splits in range(1, min(max_splits, tiles) + 1):
         waves = math.ceil(batch * head_groups * splits / slots)
-        combine = COMBINE_OVERHEAD_TILES + COMBINE_TILES_PER_SPLIT * splits if splits > 1 else 0.0
+        combine = combine_overhead + combine_per_split * splits if splits > 1 else 0.0
         cost = waves * (math.ceil(tiles / splits) + CTA_OVERHEAD_TILES) + combine
         if cost < best_cost - 1e-9:
             best, best_cost = splits, cost
@@ -168,7 +218,10 @@ MODES = constants.MODES
 
 def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:
     """Every kernel the op may launch for one problem class: each mode's split and direct decode kernel, and the
-    combine kernel. Used to pre-build (bench.py without a GPU) and to test that all of them compile."""
+    combine kernel (on Hopper's 16-row class: each mode's one warp-specialised kernel). Used to pre-build (bench.py
+    without a GPU) and to test that all of them compile."""
+    if uses_ws(spec, num_heads=num_heads, q_tile=q_tile):
+        return [ws_config(spec, kv_format=kv, q_format=qf, num_heads=num_heads, causal=causal) for kv, qf in MODES.values()]
     variants = []
     for kv_format, q_format in MODES.values():
         for split in (True, False):

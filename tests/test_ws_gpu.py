@@ -1,0 +1,105 @@
+"""The warp-specialised Hopper kernel (tl_kernels/mla_decode_ws.py): its ring of shared-memory stages, its split
+schedule and its fused merge of the splits, checked against the fp32 reference.
+
+The ring walks ``ceil(tiles / stages)`` rounds of all stages, so the lengths below straddle every boundary: 0 and 1
+token, one token short of / past a 64-token tile, tile counts that are and are not multiples of the ring depth (2
+for bf16, 3 for fp8 / mxfp4). The split counts reach past the tile count (empty splits, which must count in the
+merge), and make one-token splits (a sequence of 65 tokens over 2 splits). Each call runs twice on the same
+buffers: the kernel leaves its semaphores at zero, so a second call (with another split count too) must be right.
+Rows past the last sequence hold NaN (a read of them shows), outputs start as NaN (an unwritten element shows).
+Tolerances: tests/helpers.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import requires_gpu
+from helpers import MODES, check_against_reference, launches, poisoned, reference_for
+from mla.decode import harness_cache, mla_decode
+from mla.inputs import make_ragged_inputs, to_paged
+
+pytestmark = requires_gpu
+
+RING_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 1000, 0, 2049]
+SPLITS = [1, 2, 3, 7, 64]
+TAIL = 5  # poisoned cache rows past the last sequence
+
+
+def poison_tail(data):
+    """NaN (fp8: NaN code; mxfp4: NaN scale 0xFF) in the cache rows past the last sequence."""
+    kv_data = data[1]
+    kv_data["bf16"][-TAIL:] = math.nan
+    fp8, _ = kv_data["fp8"]
+    fp8[-TAIL:] = torch.tensor(math.nan).to(fp8.dtype)
+    _, scales = kv_data["mxfp4"]
+    scales[-TAIL:] = 0xFF
+    return data
+
+
+def run(data, mode, **kwargs):
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    cache, extra = harness_cache(kv_data, mode)
+    out = poisoned((q.shape[0], q.shape[1], 512), torch.bfloat16)
+    lse = poisoned((q.shape[0], q.shape[1]), torch.float32)
+    q_format = "fp8" if mode == "a8w8" else "bf16"
+    return mla_decode(q, cache, qo_indptr, kv_indptr, q_format=q_format, out=out, lse=lse, return_lse=True,
+                      **extra, **kwargs)
+
+
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
+@pytest.mark.parametrize("num_splits", SPLITS)
+@pytest.mark.parametrize("mode", MODES)
+def test_ring_boundaries_and_split_counts(mode, num_splits):
+    data = poison_tail(make_ragged_inputs(RING_LENGTHS, seed=num_splits, tail_rows=TAIL))
+    ref_out, ref_lse = reference_for(mode, data)
+    for call in range(2):
+        splits = num_splits if call == 0 else max(1, num_splits // 2 + 1)
+        out, lse = run(data, mode, num_splits=splits)
+        check_against_reference(out, ref_out, mode, data[2], data[3], lse=lse, ref_lse=ref_lse,
+                                context=f"num_splits={splits} (call {call + 1})")
+
+
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
+@pytest.mark.parametrize("mode", MODES)
+def test_one_token_splits_and_single_sequences(mode):
+    """A split holding one token (65 = 64 + 1 over 2 splits), batch 1, and the default split count."""
+    for kv_lens, splits in (([65], 2), ([129, 65, 1], 3), ([1], 5), ([4096], None), ([5] * 300, None)):
+        data = poison_tail(make_ragged_inputs(kv_lens, seed=len(kv_lens), tail_rows=TAIL))
+        ref_out, ref_lse = reference_for(mode, data)
+        out, lse = run(data, mode, num_splits=splits)
+        check_against_reference(out, ref_out, mode, data[2], data[3], lse=lse, ref_lse=ref_lse,
+                                context=f"kv_lens={kv_lens[:4]} num_splits={splits}")
+
+
+@launches(lambda mode, **_: [(mode, 16, 1, True)])
+@pytest.mark.parametrize("mode", MODES)
+def test_query_passes_causal(mode):
+    """Several queries in one sequence take several passes over the ring (causal: each its own horizon); the mean
+    query length stays <= 1 so the 16-row kernel serves them."""
+    data = poison_tail(make_ragged_inputs([700, 0, 130, 64, 3], [3, 0, 1, 0, 1], seed=7, tail_rows=TAIL))
+    ref_out, ref_lse = reference_for(mode, data, causal=True)
+    for splits in (1, 4):
+        out, lse = run(data, mode, causal=True, num_splits=splits)
+        check_against_reference(out, ref_out, mode, data[2], data[3], lse=lse, ref_lse=ref_lse,
+                                context=f"causal num_splits={splits}")
+
+
+@launches(lambda mode, page_size, **_: [(mode, 16, 1, False, page_size)])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("mode", MODES)
+def test_paged_ring(mode, page_size):
+    """The producer gathers each row through the page table (shuffled pages, NaN in every unused slot)."""
+    data = make_ragged_inputs([1, 65, 0, 500, 193], seed=page_size)
+    paged, page_table = to_paged(data, page_size=page_size)
+    ref_out, ref_lse = reference_for(mode, data)
+    q, _, qo_indptr, kv_indptr, _ = data
+    cache, extra = harness_cache(paged, mode)
+    for splits in (1, 3):
+        out = poisoned((q.shape[0], 16, 512), torch.bfloat16)
+        lse = poisoned((q.shape[0], 16), torch.float32)
+        mla_decode(q, cache, qo_indptr, kv_indptr, q_format="fp8" if mode == "a8w8" else "bf16", page_table=page_table,
+                   num_splits=splits, out=out, lse=lse, **extra)
+        check_against_reference(out, ref_out, mode, qo_indptr, kv_indptr, lse=lse, ref_lse=ref_lse,
+                                context=f"page_size={page_size} num_splits={splits}")

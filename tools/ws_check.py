@@ -1,0 +1,216 @@
+"""Check and time the warp-specialised decode kernel (tl_kernels/mla_decode_ws.py) beside the current op, in one
+GPU call: correctness on ragged batches against the fp32 reference, then the 8 harness shapes per mode over a set
+of split counts. Without a GPU (``--prebuild``, with MLA_TARGET=sm_90a) it only compiles the kernels, so a cache
+built on a CPU box is carried to the GPU host.
+
+    MLA_TARGET=sm_90a TILELANG_CACHE_DIR=.device/tl-cache python tools/ws_check.py --prebuild
+    python tools/ws_check.py --check --time --json out.json          # on the GPU host
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+from mla import decode as D  # noqa: E402
+from mla import jit, reference, schedule  # noqa: E402
+from mla.constants import DEFAULT_SM_SCALE, MODES  # noqa: E402
+from mla.inputs import make_harness_inputs, make_ragged_inputs  # noqa: E402
+from mla.target import spec_for_name  # noqa: E402
+from tl_kernels.mla_decode_ws import WSDecodeKernelConfig  # noqa: E402
+
+SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
+VARIANTS = {  # name -> config overrides
+    "st2": dict(num_stages=2),
+    "st3": dict(num_stages=3),
+}
+
+
+def ws_config(spec, mode: str, *, num_heads=16, causal=False, page_size=0, **overrides) -> WSDecodeKernelConfig:
+    kv_format, q_format = MODES[mode]
+    cfg = WSDecodeKernelConfig(kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
+                               page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, **overrides)
+    return cfg
+
+
+def variants_for(mode: str):
+    out = []
+    for name, ov in VARIANTS.items():
+        cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], **ov)
+        if cfg.shared_bytes <= 227 * 1024:
+            out.append((name, ov))
+    return out
+
+
+def run_ws(cfg, spec, data, mode, num_splits, out=None, lse=None, sem=None):
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    cache, extra = D.harness_cache(kv_data, mode)
+    q_format = MODES[mode][1]
+    call = D._validate_call(q, cache, qo_indptr, kv_indptr, extra.get("kv_scale"), extra.get("kv_block_scale"),
+                            None, q_format, None, paged=False)
+    total_q, heads = call.total_q, call.num_heads
+    if out is None:
+        out = torch.empty(total_q, heads, 512, dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty(total_q, heads, dtype=torch.float32, device=q.device)
+    n_part = num_splits * total_q * heads if num_splits > 1 else 1
+    o_part = torch.empty(n_part * 512, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(n_part, dtype=torch.float32, device=q.device)
+    if sem is None:
+        sem = torch.zeros(call.batch * heads // cfg.block_h, dtype=torch.int32, device=q.device)
+    launcher = jit.get_launcher(cfg, spec)
+    launcher(call.q, call.kv_rows, call.block_scales, call.scale_stride, call.q_scale, call.kv_scale, qo_indptr,
+             kv_indptr, DEFAULT_SM_SCALE, num_splits, o_part, l_part, sem, out, lse)
+    return out, lse, sem
+
+
+def check(spec, args) -> list[dict]:
+    rows = []
+    cases = [
+        ("ragged", [0, 1, 63, 64, 65, 200, 1000, 3001], 1, False),
+        ("one", [5], 1, False),
+        ("mtp-causal", [700, 0, 130, 64], [2, 1, 3, 4], True),
+        ("mtp", [129, 1, 2000], [3, 2, 0], False),
+    ]
+    for label, kv_lens, q_lens, causal in cases:
+        data = make_ragged_inputs(kv_lens, q_lens, seed=hash(label) % 1000, tail_rows=7)
+        # poison rows past the last sequence: the kernel must never read them
+        for fmt, v in data[1].items():
+            t = v if fmt == "bf16" else v[0]
+            if fmt == "bf16":
+                t[-7:] = float("nan")
+            elif fmt == "fp8":
+                t[-7:] = torch.tensor(float("nan")).to(t.dtype)
+            else:
+                t[-7:] = 0xFF
+        for mode in MODES:
+            ref_out, ref_lse = reference.harness_reference(data, mode, causal=causal)
+            for name, ov in variants_for(mode):
+                cfg = ws_config(spec, mode, causal=causal, **ov)
+                for splits in (1, 2, 5, 16):
+                    out = torch.full((data[0].shape[0], 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    lse = torch.full((data[0].shape[0], 16), float("nan"), dtype=torch.float32, device="cuda")
+                    sem = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device="cuda")
+                    for rep in range(2):  # twice: the semaphores must be back at zero
+                        run_ws(cfg, spec, data, mode, splits, out, lse, sem[: len(kv_lens)])
+                    torch.cuda.synchronize()
+                    o, r = out.float(), ref_out.float()
+                    err = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
+                    finite = bool(torch.isfinite(o).all())
+                    lse_ok = torch.allclose(lse, ref_lse.float(), atol=2e-2, rtol=1e-3, equal_nan=False) or bool(
+                        ((lse - ref_lse).abs().nan_to_num(0) < 2e-2).all() and (torch.isinf(lse) == torch.isinf(ref_lse)).all()
+                    )
+                    sem_zero = bool((sem == 0).all())
+                    ok = finite and err < 2e-2 and lse_ok and sem_zero
+                    rows.append(dict(kind="check", case=label, mode=mode, variant=name, splits=splits, rel_l2=err,
+                                     finite=finite, lse_ok=lse_ok, sem_zero=sem_zero, ok=ok))
+                    if not ok or args.verbose:
+                        print(f"check {label:10s} {mode:5s} {name} splits={splits:2d} rel_l2={err:.2e} finite={finite} "
+                              f"lse_ok={lse_ok} sem_zero={sem_zero} {'OK' if ok else 'FAIL'}")
+    n_bad = sum(not r["ok"] for r in rows)
+    print(f"check: {len(rows) - n_bad} ok, {n_bad} failed")
+    return rows
+
+
+def time_us(fn, flush, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def split_candidates(batch, kv_len):
+    tiles = math.ceil(kv_len / 64)
+    cands = {1, 2, 4, 8, 16, 32, math.ceil(132 / batch), math.ceil(264 / batch), math.ceil(396 / batch)}
+    return sorted(c for c in cands if 1 <= c <= tiles)
+
+
+def bytes_per_token(mode):
+    return {"bf16": 1152, "fp8": 576, "a8w8": 576, "mxfp4": 306}[mode]
+
+
+def timing(spec, args) -> list[dict]:
+    rows = []
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device="cuda")
+    for batch, kv_len in SHAPES:
+        data = make_harness_inputs(batch, kv_len, seed=1)
+        for mode in MODES:
+            ref_bytes = batch * kv_len * bytes_per_token(mode)
+            t_old = time_us(lambda: D.run_harness(data, mode), flush, args.reps)
+            line = [f"{batch:3d}x{kv_len:5d} {mode:5s} old {t_old:8.1f}"]
+            rows.append(dict(kind="time", batch=batch, kv_len=kv_len, mode=mode, impl="old", time_us=t_old))
+            for name, ov in variants_for(mode):
+                cfg = ws_config(spec, mode, **ov)
+                best = None
+                for splits in split_candidates(batch, kv_len):
+                    t = time_us(lambda: run_ws(cfg, spec, data, mode, splits), flush, args.reps)
+                    rows.append(dict(kind="time", batch=batch, kv_len=kv_len, mode=mode, impl=f"ws-{name}",
+                                     splits=splits, time_us=t, gbps=ref_bytes / t / 1e3))
+                    if best is None or t < best[1]:
+                        best = (splits, t)
+                line.append(f"ws-{name} {best[1]:8.1f} (s={best[0]:2d}, {ref_bytes / best[1] / 1e3:5.0f} GB/s)")
+            print("  ".join(line), flush=True)
+        del data
+        torch.cuda.empty_cache()
+    return rows
+
+
+def prebuild(spec):
+    t0 = time.time()
+    for mode in MODES:
+        for name, ov in variants_for(mode):
+            for causal in (False, True):
+                jit.get_kernel(ws_config(spec, mode, causal=causal, **ov), spec)
+        # the current op's kernels for the timed shapes
+        for batch, kv_len in SHAPES:
+            kv_format, q_format = MODES[mode]
+            kq = "fp8" if q_format == "fp8" else "bf16"
+            dec, comb, n = schedule.select_kernels(spec, kv_format=kv_format, q_format=kq, num_heads=16, causal=False,
+                                                   page_size=0, batch=batch, total_q=batch, total_kv=batch * kv_len)
+            jit.get_kernel(dec, spec)
+            if comb is not None:
+                jit.get_kernel(comb, spec)
+    print(f"prebuild done in {time.time() - t0:.0f} s")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prebuild", action="store_true")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    if args.prebuild:
+        prebuild(spec_for_name("sm_90a"))
+        return
+    spec = D.spec_for_device(torch.device("cuda"))
+    rows = []
+    if args.check:
+        rows += check(spec, args)
+    if args.time:
+        rows += timing(spec, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
