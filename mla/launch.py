@@ -73,7 +73,7 @@ class Launch:
     plan's workspace holds them) and launches. Nothing in it depends on tensor values."""
 
     __slots__ = ("device", "forced_target", "cache_rows", "total_q", "page_size", "decode", "combine", "num_splits",
-                 "fused", "semaphore_count", "out_shape", "lse_shape", "scratch_numel", "lse_numel", "o_partial_view",
+                 "fused", "semaphore_count", "dummy_partials", "out_shape", "lse_shape", "scratch_numel", "lse_numel", "o_partial_view",
                  "lse_partial_view", "kv_rows_shape", "kv_as_uint8", "block_scale_len", "block_scale_as_uint8", "block_scales",
                  "scale_stride", "q_mode", "q_scale", "reshape_q_scale", "kv_scale", "reshape_kv_scale", "paged")
 
@@ -93,6 +93,8 @@ class Launch:
             self.decode, self.combine, self.num_splits, self.fused = k.decode, k.combine, k.num_splits, k.fused
             if k.fused:
                 self.semaphore_count = call.batch * (call.num_heads // k.decode_cfg.block_h)
+        # The fused kernels' partial arguments with one split (never read), made here: not inside a graph capture.
+        self.dummy_partials = workspace.dummy_fp32(device) if self.fused and self.num_splits == 1 else None
         # Split partials of an eager call: views of one fp32 scratch allocation, o_partial first, then lse_partial,
         # then (when nobody reads it) the LSE; each part starts at a multiple of 64 elements (256 B). The fused
         # kernels take the partials flat.
@@ -179,7 +181,7 @@ class Launch:
         if self.fused:
             # One launch: the split combine runs inside the decode kernel (see the module docstring).
             if o_partial is None:
-                o_partial = lse_partial = workspace.dummy_fp32(device)
+                o_partial = lse_partial = self.dummy_partials
             semaphores = ws.semaphores if ws is not None else workspace.semaphores(device, self.semaphore_count)
             self.decode(*args, self.num_splits, o_partial, lse_partial, semaphores, out, lse)
         elif o_partial is None:
