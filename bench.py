@@ -818,9 +818,10 @@ def compile_only(args, cases: list[Case]) -> int:
     """No GPU: build, for sm_90a, every kernel variant this command line would run; 0 when all compiled."""
     print("no CUDA device: timing skipped. Compiling the kernel variants this run would use, for sm_90a, on the CPU.")
     spec = target.spec_for_name("sm_90a")
+    cases = list(dict.fromkeys(cases + [uniform_case(*shape) for shape in args.host_shape]))  # + the host table's
     print_split_table(spec, cases, args)
     configs = list(dict.fromkeys(
-        cfg for case in cases + [uniform_case(*shape) for shape in args.host_shape] for mode in args.modes
+        cfg for case in cases for mode in args.modes
         for cfg in selected_kernels(spec, mode, case, args)[:2] if cfg is not None
     ))
     failures = 0
