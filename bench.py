@@ -11,21 +11,32 @@ Usage, from the repo root (``python bench.py`` finds the ``mla`` package next to
     python bench.py --plan                           # time DecodePlan.run (planned once, untimed, like FlashInfer)
     python bench.py --splits 1 --no-peers --reps 100 # force one KV split (no combine kernel)
     python bench.py --json results.json --plot gbps.png
-    python bench.py --shapes none --ragged           # only the ragged batches
+    python bench.py --shapes none --ragged           # only the ragged batches (and the host-cost table)
+    python bench.py --shapes none --no-baselines     # only the host-cost table (4 x 1024)
 
 Modes (what the op reads):
     bf16   bf16 Q, bf16 KV cache                      (1152 B per cached token)
     fp8    bf16 Q, fp8 e4m3 KV + per-tensor scale     (576 B per token)
     a8w8   Q quantized to fp8 inside the call, fp8 KV (576 B per token): the competition's reference configuration
     mxfp4  bf16 Q, mxfp4 KV (e2m1 + e8m0 per 32)      (288 + 18 = 306 B per token)
-Peers (when importable): FlashInfer's BatchMLAPagedAttentionWrapper, backends fa3 and fa2, bf16 Q and KV, page size 1
-(with --page-size: the same shuffled pages as ours, as CSR page lists); only its ``run`` is timed (``plan`` is not; our
---plan option times ``DecodePlan.run`` the same way). On ROCm only, AMD aiter (package amd-aiter): its a8w8 persistent MLA decode
+Peers (tools/peers.py, when importable): FlashInfer's BatchMLAPagedAttentionWrapper, backends fa3 and fa2, bf16 Q and
+KV, page size 1 (with --page-size: the same shuffled pages as ours, as CSR page lists); only its ``run`` is timed
+(``plan`` is not; our --plan option times ``DecodePlan.run`` the same way). With $FLASHMLA_LEGACY_LIB set, FlashMLA's
+SM90 decode: flashmla-bf16 (``dense_decode_fwd``, beside our bf16) and flashmla-fp8 (``fwd_kvcache_mla_fp8``, fp8 Q
+quantized per tensor and the fp8 cache, beside our fp8 and a8w8), both over the same values in pages of 64 tokens with
+a block table; its scheduler metadata is made once, untimed. On ROCm only, AMD aiter (package amd-aiter): its a8w8 persistent MLA decode
 called as the competition reference calls it (fp8 Q and KV, per-tensor scales, page size 1, 32 KV splits); only
 ``aiter.mla.mla_decode_fwd`` is timed (metadata and the fp8 quantization of Q and KV are not). The aiter peer is
 untested in this project (no ROCm machine): only its call sequence is checked, on the CPU, against a fake aiter.
 Baselines: the harness template's two naive torch versions, re-implemented here: a per-sequence bf16 loop ("loop") and
 fp8 Q/K through ``torch._scaled_mm`` ("scaled_mm"); skipped above BASELINE_MAX_TOKENS cached tokens (too slow).
+
+Host cost (--host-shape, default 4x1024; JSON rows of kind "host"): the L2 flush before each timed call hides up to
+~60-80 us of host time, so the host is measured apart, with a warm L2: ``host_us_per_call`` = wall time per call in a
+loop of --host-calls (500) calls back to back, for every mode through ``mla_decode`` and through ``DecodePlan.run``
+(rows with ``"plan": true``) and for every peer's timed call; ``gpu_us_per_call`` = the call's GPU time with the GPU
+never waiting for the host (calls queued behind a sleep kernel, CUDA events around them); ``host_overhead_us`` = their
+difference: what the host adds per call beyond the kernels.
 
 Achieved GB/s = ``bytes_moved(...)`` / median time; the read ceiling (``torch.sum`` over a 4 GiB bf16 tensor) is
 measured in the same run. Without a CUDA device the script compiles, for sm_90a on the CPU, every kernel variant the
@@ -38,8 +49,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import importlib
-import itertools
 import json
 import logging
 import math
@@ -59,9 +68,11 @@ import torch  # noqa: E402
 from mla import formats, jit, schedule, target  # noqa: E402
 from mla.decode import DEFAULT_SM_SCALE, SUPPORTED_HEADS, harness_cache, page_size_of, plan, run_harness  # noqa: E402
 from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged  # noqa: E402
-from mla.constants import KV_LORA_RANK, QK_DIM, ROPE_DIM  # noqa: E402
+from mla.constants import KV_LORA_RANK, QK_DIM  # noqa: E402
 from mla.constants import MODES as MODE_FORMATS  # noqa: E402
-from mla.reference import harness_reference, mla_decode_reference  # noqa: E402
+from mla.reference import harness_reference  # noqa: E402
+from tools import peers as peer_lib  # noqa: E402
+from tools.peers import AITER, Peer  # noqa: E402
 
 DEVICE = "cuda"
 BF16_BYTES = 2
@@ -73,13 +84,14 @@ KV_BYTES_PER_TOKEN = {
     "a8w8": QK_DIM,
     "mxfp4": QK_DIM // 2 + QK_DIM // 32,  # 288 packed e2m1 + 18 e8m0 scales = 306
 }
-PEERS = ("fa3", "fa2")  # FlashInfer MLA backends
-AITER = "aiter"  # AMD aiter's a8w8 persistent MLA decode (ROCm only)
-AITER_PAGE_SIZE = 1  # as the competition reference (gpu-mode/reference-kernels problems/amd_202602/mixed-mla)
-AITER_NUM_KV_SPLITS = 32
+PEERS = peer_lib.ALL  # FlashInfer fa3 / fa2, FlashMLA bf16 / fp8, AMD aiter: tools/peers.py
 BASELINES = ("loop", "scaled_mm")  # the harness template's naive torch versions
+# Column order of the tables: each FlashMLA kernel beside the modes it compares with, then the other peers.
+IMPL_ORDER = ("bf16", peer_lib.FLASHMLA_BF16, "fp8", "a8w8", peer_lib.FLASHMLA_FP8, "mxfp4", *peer_lib.FLASHINFER, AITER,
+              *BASELINES)
 BASELINE_MAX_TOKENS = 64 * 8192  # cached tokens (batch * kv_len) above which the baselines are skipped
 REL_L2_LIMIT = {"bf16": 1e-2, "fp8": 2e-2, "a8w8": 2e-2, "mxfp4": 2e-2, "fa3": 1e-2, "fa2": 1e-2, AITER: 2e-2,
+                peer_lib.FLASHMLA_BF16: 1e-2, peer_lib.FLASHMLA_FP8: 2e-2,
                 "loop": 1e-2, "scaled_mm": 5e-2}  # --check flags FAIL above these (vs the fp32 reference)
 
 WARMUP_CALLS = 5
@@ -88,11 +100,15 @@ BASELINE_MAX_REPS = 20  # the baselines are slow and only set the scale; fewer r
 FLUSH_BYTES = 256 * 2**20  # >= 256 MB written before each rep: the H200's L2 is 50 MiB
 CEILING_BYTES = 4 * 2**30  # torch.sum over this many bytes of bf16 (half of it when memory is short)
 CEILING_REPS = 10
-FLASHINFER_WORKSPACE_BYTES = 128 * 2**20
 INPUT_SEED = 0
 RAGGED_SEED = 1234
 RAGGED_BATCHES = ((64, 8192), (128, 2048))  # (sequences, max kv_len): lengths uniform in 1..max
 LONG_SHAPES = ((4, 32768), (16, 32768))
+HOST_SHAPE = "4x1024"  # the host-cost table's batch: small enough that the host, not the GPU, can be the limit
+HOST_CALLS = 500  # eager calls per host-cost loop
+HOST_ROUNDS = 3  # loops per measurement (median)
+HOST_WARMUP_CALLS = 20
+GPU_TIME_CALLS = 50  # calls queued behind a sleep kernel to time their GPU execution
 
 log = logging.getLogger("mla")
 
@@ -175,8 +191,8 @@ def positive_int(text: str) -> int:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Time the TileLang MLA decode kernels (H200) against torch baselines and FlashInfer.",
-        epilog="\n\n".join(__doc__.split("\n\n")[1:4]),
+        description="Time the TileLang MLA decode kernels (H200) against torch baselines, FlashInfer and FlashMLA.",
+        epilog="\n\n".join(__doc__.split("\n\n")[1:5]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--modes", type=parse_modes, default=list(MODES),
@@ -196,15 +212,24 @@ def parse_args(argv=None):
                              "plan is) instead of the one-shot mla_decode call")
     parser.add_argument("--splits", type=positive_int, default=None,
                         help="force num_splits (default: the op's own choice, schedule.choose_num_splits)")
+    parser.add_argument("--host-shape", type=parse_shapes, default=parse_shapes(HOST_SHAPE),
+                        help=f"BATCHxKV_LEN of the host-cost table (default {HOST_SHAPE}; 'none' skips it): wall us "
+                             f"per call in a loop of --host-calls eager calls, and that minus the call's GPU time, for "
+                             f"every mode (mla_decode and DecodePlan.run) and peer")
+    parser.add_argument("--host-calls", type=positive_int, default=HOST_CALLS,
+                        help=f"calls per host-cost loop (default {HOST_CALLS})")
     parser.add_argument("--no-baselines", action="store_true", help="skip the naive torch baselines")
-    parser.add_argument("--no-peers", action="store_true", help="skip FlashInfer (and AMD aiter, on ROCm)")
+    parser.add_argument("--no-peers", action="store_true", help="skip the peers (FlashInfer, FlashMLA, AMD aiter)")
     parser.add_argument("--json", metavar="PATH", help="write every measurement to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of achieved GB/s (needs matplotlib)")
     parser.add_argument("--reps", type=positive_int, default=DEFAULT_REPS,
                         help=f"timed reps per measurement (default {DEFAULT_REPS}, after {WARMUP_CALLS} warm-up calls)")
     parser.add_argument("--check", action="store_true",
                         help="before timing, compare each implementation once per shape with the fp32 reference")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if len(args.host_shape) > 1:
+        parser.error("--host-shape takes one BATCHxKV_LEN")
+    return args
 
 
 # ---------------------------------------------------------------------------------------- bytes, kernels, splits
@@ -267,7 +292,7 @@ def planned_call(mode: str, data, num_splits: int | None = None, page_table: tor
     kv_format, q_format = cache_kwargs.pop("kv_format"), cache_kwargs.pop("q_format")
     paging = {} if page_table is None else dict(page_size=page_size_of(kv), page_table=page_table)
     the_plan = plan(qo_indptr, kv_indptr, num_heads=q.shape[1], kv_format=kv_format, q_format=q_format,
-                    num_splits=num_splits, causal=causal, **paging)
+                    num_splits=num_splits, causal=causal, device=q.device, **paging)
     return lambda: the_plan.run(q, kv, **cache_kwargs)
 
 
@@ -320,225 +345,6 @@ def check_output(out: torch.Tensor, ref: torch.Tensor) -> dict:
     rel_l2 = (err.norm() / ref.norm().clamp_min(1e-30)).item()
     miss_fraction = (err.abs() > 0.1 + 0.1 * ref.abs()).float().mean().item()
     return {"rel_l2": rel_l2, "harness_miss_fraction": miss_fraction}
-
-
-# ------------------------------------------------------------------------------------------------------- peers
-
-
-@dataclasses.dataclass
-class Peer:
-    """A FlashInfer MLA backend or AMD aiter, or why it is unavailable."""
-
-    name: str
-    module: object = None
-    workspace: torch.Tensor | None = None
-    reason: str | None = None
-
-
-def load_flashinfer():
-    """(flashinfer module, None) or (None, reason). JIT is disabled first: a missing prebuilt kernel fails loudly."""
-    os.environ.setdefault("FLASHINFER_DISABLE_JIT", "1")
-    try:
-        import flashinfer
-        import flashinfer.mla  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure just means "no peer"
-        return None, f"import flashinfer failed: {type(exc).__name__}: {exc}"
-    return flashinfer, None
-
-
-def setup_peers(device: str) -> list[Peer]:
-    flashinfer, reason = load_flashinfer()
-    if flashinfer is None:
-        peers = [Peer(name, reason=reason) for name in PEERS]
-    else:
-        peers = [Peer(name, module=flashinfer,
-                      workspace=torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device))
-                 for name in PEERS]
-    aiter_peer = setup_aiter_peer()
-    return peers + ([aiter_peer] if aiter_peer is not None else [])
-
-
-def flashinfer_callable(peer: Peer, data, heads: int, paging=None):
-    """Plan FlashInfer's MLA wrapper for this batch (untimed); returns the call to time (``run`` only). Flat
-    caches are read as pages of one token; with ``paging`` (paged caches, page table) through the same pages as
-    our kernels, as CSR page lists."""
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    wrapper = peer.module.mla.BatchMLAPagedAttentionWrapper(peer.workspace, backend=peer.name)
-    kv_lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
-    if paging is None:
-        kv = kv_data["bf16"]  # (total_kv, 1, 576): page size 1, one token per page
-        page_size, page_indptr = 1, kv_indptr
-        kv_indices = torch.arange(kv.shape[0], dtype=torch.int32, device=kv.device)
-    else:
-        paged_kv, page_table = paging
-        num_pages, page_size = paged_kv["bf16"].shape[:2]
-        kv = paged_kv["bf16"].view(num_pages, page_size, QK_DIM)
-        pages = [-(-n // page_size) for n in kv_lens.tolist()]
-        page_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=kv.device)
-        kv_indices = torch.cat([page_table[b, :n] for b, n in enumerate(pages)]).contiguous()
-    wrapper.plan(
-        qo_indptr=qo_indptr, kv_indptr=page_indptr, kv_indices=kv_indices, kv_len_arr=kv_lens, num_heads=heads,
-        head_dim_ckv=KV_LORA_RANK, head_dim_kpe=ROPE_DIM, page_size=page_size, causal=False,
-        sm_scale=DEFAULT_SM_SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-    )
-    q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]  # strided views, as SGLang passes them
-    ckv_cache, kpe_cache = kv[..., :KV_LORA_RANK], kv[..., KV_LORA_RANK:]  # (pages, page_size, 512) / (.., 64)
-    return lambda: wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache)
-
-
-# AMD aiter. Untested in this project (no ROCm machine): written from aiter's sources (aiter/mla.py, aiter/ops/
-# attention.py, op_tests/test_mla_persistent.py of ROCm/aiter) and the competition reference (gpu-mode/
-# reference-kernels problems/amd_202602/mixed-mla/reference.py); tests/test_bench_cpu.py checks the calls against a
-# fake aiter on the CPU. PyPI's "aiter" is an unrelated package: AMD's is "amd-aiter", recognised by aiter.mla.
-
-
-def load_aiter():
-    """(aiter module, None) or (None, reason). Off ROCm: (None, "not on ROCm") without trying to import anything."""
-    if not torch.version.hip:
-        return None, "not on ROCm"
-    try:
-        aiter = importlib.import_module("aiter")
-    except Exception as exc:  # noqa: BLE001 - amd-aiter may fail to import (JIT, missing ROCm libs): no peer
-        return None, f"unavailable: import aiter failed: {type(exc).__name__}: {exc}"
-    try:
-        aiter_mla = importlib.import_module("aiter.mla")
-    except ModuleNotFoundError as exc:
-        if exc.name in ("aiter.mla", "aiter"):  # an "aiter" without an mla submodule: not AMD's
-            return None, (f"wrong package: 'import aiter' found {getattr(aiter, '__file__', '?')}, which has no "
-                          "aiter.mla (PyPI's 'aiter' is unrelated; AMD's package is amd-aiter)")
-        return None, f"unavailable: import aiter.mla failed: {type(exc).__name__}: {exc}"
-    except Exception as exc:  # noqa: BLE001
-        return None, f"unavailable: import aiter.mla failed: {type(exc).__name__}: {exc}"
-    if not callable(getattr(aiter_mla, "mla_decode_fwd", None)):
-        return None, "wrong package: aiter.mla has no mla_decode_fwd (AMD's package is amd-aiter)"
-    missing = [name for name in ("get_mla_metadata_info_v1", "get_mla_metadata_v1")
-               if not callable(getattr(aiter, name, None))]
-    if not isinstance(getattr(getattr(aiter, "dtypes", None), "fp8", None), torch.dtype):
-        missing.append("dtypes.fp8")
-    if missing:  # an amd-aiter from before the persistent (v1 metadata) MLA decode
-        return None, "unavailable: amd-aiter too old or incomplete: no " + ", ".join(f"aiter.{m}" for m in missing)
-    return aiter, None
-
-
-def aiter_version(aiter) -> str:
-    version = getattr(aiter, "__version__", None)
-    if version:
-        return str(version)
-    try:
-        from importlib import metadata
-
-        return metadata.version("amd-aiter")
-    except Exception:  # noqa: BLE001 - a source checkout may have no distribution metadata
-        return "?"
-
-
-def setup_aiter_peer() -> Peer | None:
-    """None off ROCm (nothing is imported); else the aiter peer, or why it is unavailable."""
-    aiter, reason = load_aiter()
-    if aiter is None and reason == "not on ROCm":
-        return None
-    return Peer(AITER, module=aiter, reason=reason)
-
-
-def aiter_status(peer: Peer | None) -> str:
-    """The header line about AMD aiter."""
-    if peer is None:
-        return "aiter: not on ROCm"
-    if peer.reason is not None:
-        return f"aiter: {peer.reason}"
-    return (f"aiter: amd-aiter {aiter_version(peer.module)}: a8w8 persistent MLA decode (fp8 Q and KV, page size "
-            f"{AITER_PAGE_SIZE}, {AITER_NUM_KV_SPLITS} KV splits); untested in this project")
-
-
-def aiter_callable(peer: Peer, data, heads: int):
-    """Set up aiter's a8w8 persistent MLA decode for this batch (untimed); returns (the call to time, a function
-    computing the fp32 reference on exactly the fp8 values that call reads).
-
-    Untested in this project (no ROCm machine). The call sequence is the competition reference's:
-      1. Q and the KV cache quantized per tensor to ``aiter.dtypes.fp8`` (e4m3fnuz on gfx942, e4m3fn on gfx950);
-      2. ``aiter.get_mla_metadata_info_v1`` gives the (size, dtype) of the six work buffers;
-      3. ``aiter.get_mla_metadata_v1`` fills them (note its argument order: work_info_set before work_indptr);
-      4. timed: ``aiter.mla.mla_decode_fwd`` with the buffers, the scales and num_kv_splits=32.
-    One deviation: kv_last_page_lens is all ones (page size 1: one token in every page), as aiter's own
-    op_tests/test_mla_persistent.py passes it; the competition reference passes the sequence lengths there.
-    Like the reference, the metadata is causal (is_causal=True; mla_decode_fwd's default): the same as non-causal
-    for one query token, and the check's reference is causal too.
-    """
-    aiter = peer.module
-    aiter_mla = getattr(aiter, "mla", None)
-    if aiter_mla is None:
-        aiter_mla = importlib.import_module("aiter.mla")
-    fp8 = aiter.dtypes.fp8
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    device = q.device
-    total_q = q.shape[0]
-    batch = qo_indptr.shape[0] - 1
-    num_kv_heads = 1
-    if q.shape[1] != heads or q.shape[2] != QK_DIM:
-        raise ValueError(f"q is {tuple(q.shape)}, expected (total_q, {heads}, {QK_DIM})")
-    if heads % 8:
-        raise ValueError(f"aiter's MLA metadata needs a multiple of 8 heads, got {heads}")
-
-    # Untimed setup: fp8 operands. The harness's fp8 cache is reused when it already is aiter's fp8 dtype.
-    q_fp8, q_scale = formats.quantize_fp8(q, fp8)
-    kv_fp8, kv_scale = kv_data["fp8"]
-    if kv_fp8.dtype != fp8:
-        kv_fp8, kv_scale = formats.quantize_fp8(kv_data["bf16"], fp8)
-    total_kv = kv_fp8.shape[0]
-    kv_4d = kv_fp8.reshape(total_kv, AITER_PAGE_SIZE, num_kv_heads, QK_DIM)  # (pages, page_size, kv heads, 576)
-    q_scale = q_scale.to(device=device, dtype=torch.float32).reshape(1)
-    kv_scale = kv_scale.to(device=device, dtype=torch.float32).reshape(1)
-    qo_indptr = qo_indptr.to(device=device, dtype=torch.int32).contiguous()
-    kv_indptr = kv_indptr.to(device=device, dtype=torch.int32).contiguous()
-    kv_indices = torch.arange(total_kv, dtype=torch.int32, device=device)  # page i holds token i
-    kv_last_page_lens = torch.ones(batch, dtype=torch.int32, device=device)
-    max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
-
-    info = aiter.get_mla_metadata_info_v1(
-        batch, max_q_len, heads, fp8, fp8,
-        is_sparse=False, fast_mode=False, num_kv_splits=AITER_NUM_KV_SPLITS, intra_batch_mode=True,
-    )
-    info = list(info)
-    if len(info) != 6:
-        raise RuntimeError(f"aiter.get_mla_metadata_info_v1 returned {len(info)} entries, expected 6")
-    (work_meta_data, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map) = (
-        torch.empty(size, dtype=dtype, device=device) for size, dtype in info)
-    aiter.get_mla_metadata_v1(
-        qo_indptr, kv_indptr, kv_last_page_lens,
-        heads // num_kv_heads, num_kv_heads, True,  # num_heads_per_head_k, num_heads_k, is_causal
-        work_meta_data, work_info_set, work_indptr, reduce_indptr, reduce_final_map, reduce_partial_map,
-        page_size=AITER_PAGE_SIZE, kv_granularity=max(AITER_PAGE_SIZE, 16), max_seqlen_qo=max_q_len,
-        uni_seqlen_qo=max_q_len, fast_mode=False, max_split_per_batch=AITER_NUM_KV_SPLITS, intra_batch_mode=True,
-        dtype_q=fp8, dtype_kv=fp8,
-    )
-    out = torch.empty((total_q, heads, KV_LORA_RANK), dtype=torch.bfloat16, device=device)
-    work = {"work_meta_data": work_meta_data, "work_indptr": work_indptr, "work_info_set": work_info_set,
-            "reduce_indptr": reduce_indptr, "reduce_final_map": reduce_final_map,
-            "reduce_partial_map": reduce_partial_map}
-    decode = aiter_mla.mla_decode_fwd
-
-    def run():
-        decode(q_fp8, kv_4d, out, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_q_len,
-               page_size=AITER_PAGE_SIZE, nhead_kv=num_kv_heads, sm_scale=DEFAULT_SM_SCALE, logit_cap=0.0,
-               num_kv_splits=AITER_NUM_KV_SPLITS, q_scale=q_scale, kv_scale=kv_scale, intra_batch_mode=True,
-               **work)
-        return out
-
-    def reference():
-        ref, _ = mla_decode_reference(formats.dequantize_fp8(q_fp8, q_scale), formats.dequantize_fp8(kv_fp8, kv_scale),
-                                      qo_indptr, kv_indptr, causal=True)
-        return ref
-
-    return run, reference
-
-
-def peer_callable(peer: Peer, data, heads: int, ref_bf16, paging=None):
-    """(the call to time, its reference function, the mode whose bytes it moves) for one peer; setup untimed.
-    ``paging``: (paged caches, page table) to read the KV through (FlashInfer; aiter always reads page size 1)."""
-    if peer.name == AITER:
-        fn, ref_fn = aiter_callable(peer, data, heads)
-        return fn, ref_fn, "a8w8"
-    return flashinfer_callable(peer, data, heads, paging), ref_bf16, "bf16"
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -652,14 +458,14 @@ def bench_baselines(bench: Bench, case: Case, data, ref_fn) -> list[dict]:
     return rows
 
 
-def bench_peers(bench: Bench, case: Case, data, ref_fn, paging=None) -> list[dict]:
-    args, rows = bench.args, []
+def bench_peers(bench: Bench, case: Case, data, ref_fns: dict, paging=None) -> list[dict]:
+    args, rows, shared = bench.args, [], {}
     for peer in bench.peers:
         if peer.reason is not None:
             continue  # said once in the header
         row = base_row(case, peer.name, "peer", args)
         try:
-            fn, peer_ref_fn, bytes_mode = peer_callable(peer, data, args.heads, ref_fn, paging)
+            fn, peer_ref_fn, bytes_mode = peer_lib.peer_callable(peer, data, args.heads, ref_fns, paging, shared)
         except Exception as exc:  # noqa: BLE001 - the row says "unavailable: ..." and the run goes on
             row["error"] = ("setup failed: " if peer.name == AITER else "plan failed: ") + error_text(exc)
         else:
@@ -692,7 +498,8 @@ def bench_modes(bench: Bench, case: Case, data, ref_fns: dict, comparisons: list
                 bytes_read=bytes_moved(case.batch, case.mean_kv_len, args.q_len, args.heads, mode),
                 ref_fn=ref_fns[mode] if args.check else None)
         if "time_us" in row:
-            row["speedup"] = {c["impl"]: c["time_us"] / row["time_us"] for c in comparisons if "time_us" in c}
+            row["speedup"] = {c["impl"]: c["time_us"] / row["time_us"] for c in comparisons
+                              if "time_us" in c and mode in peer_lib.COMPARED_WITH.get(c["impl"], (mode,))}
         print(format_row(row), flush=True)
         rows.append(row)
     return rows
@@ -721,11 +528,135 @@ def bench_case(bench: Bench, case: Case) -> list[dict]:
         rows += bench_baselines(bench, case, data, ref_fns["bf16"])
     paging = to_paged(data, args.page_size, seed=INPUT_SEED) if args.page_size else None
     if not args.no_peers:
-        rows += bench_peers(bench, case, data, ref_fns["bf16"], paging)
+        rows += bench_peers(bench, case, data, ref_fns, paging)
     rows += bench_modes(bench, case, data, ref_fns, comparisons=list(rows), paging=paging)
     del data, ref_fns
     torch.cuda.empty_cache()
     return rows
+
+
+# ------------------------------------------------------------------------------------------------- host cost
+
+
+def host_us_per_call(fn, calls: int) -> float:
+    """Wall time per call of ``calls`` calls back to back (the host enqueues them; one synchronisation at the end):
+    what a caller that launches nothing else sees. When the host is faster than the GPU this is the GPU time."""
+    for _ in range(HOST_WARMUP_CALLS):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def sleep_cycles_per_us() -> float:
+    """GPU clock cycles per microsecond of ``torch.cuda._sleep`` (measured once with CUDA events)."""
+    cycles = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles // 10)  # warm-up
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
+
+
+def gpu_us_per_call(fn, calls: int, host_us: float, cycles_per_us: float) -> dict:
+    """The GPU time of one call with the GPU never waiting for the host: a sleep kernel holds the stream while the
+    host enqueues ``calls`` calls, and CUDA events around the calls time them back to back (launch gaps between a
+    call's kernels included). ``queued``: the host finished enqueuing before the sleep ended (else the GPU may have
+    waited, and the time is an upper bound)."""
+    sleep_us = 2.0 * calls * host_us + 2000.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(sleep_us * cycles_per_us))
+    start.record()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    enqueue_us = (time.perf_counter() - begin) * 1e6
+    end.record()
+    torch.cuda.synchronize()
+    return {"gpu_us": start.elapsed_time(end) * 1e3 / calls, "queued": enqueue_us < sleep_us}
+
+
+def measure_host(row: dict, fn, calls: int, cycles_per_us: float) -> dict:
+    """Fill a host-cost row: ``host_us_per_call`` (median over HOST_ROUNDS loops of ``calls`` calls),
+    ``gpu_us_per_call`` (median over HOST_ROUNDS) and ``host_overhead_us``, their difference."""
+    try:
+        fn()  # builds / loads the kernels
+        host = [host_us_per_call(fn, calls) for _ in range(HOST_ROUNDS)]
+        gpu = [gpu_us_per_call(fn, GPU_TIME_CALLS, statistics.median(host), cycles_per_us)
+               for _ in range(HOST_ROUNDS)]
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        row["error"] = error_text(exc)
+        return row
+    row.update(host_us_per_call=statistics.median(host), gpu_us_per_call=statistics.median(g["gpu_us"] for g in gpu),
+               host_rounds_us=host, calls=calls, gpu_time_queued=all(g["queued"] for g in gpu))
+    row["host_overhead_us"] = row["host_us_per_call"] - row["gpu_us_per_call"]
+    return row
+
+
+def bench_host(bench: Bench, case: Case) -> list[dict]:
+    """The host-cost table at one shape: every mode through ``mla_decode`` and through ``DecodePlan.run`` (rows
+    with ``"plan": true``), and every peer's timed call (FlashInfer's ``run``, FlashMLA's decode op, aiter's
+    decode)."""
+    args, rows = bench.args, []
+    print(f"\n== host cost per call at {case.label} (q_len {args.q_len}, {args.heads} heads): wall time of "
+          f"{args.host_calls} calls back to back, and that minus the call's GPU time (queued behind a sleep kernel); "
+          f"median of {HOST_ROUNDS}", flush=True)
+    data = make_inputs(case, args.q_len, args.heads, bench.device)
+    paging = to_paged(data, args.page_size, seed=INPUT_SEED) if args.page_size else None
+    run_data, page_table = (data, None) if paging is None else ((data[0], paging[0], *data[2:]), paging[1])
+    cycles_per_us = sleep_cycles_per_us()
+    calls = []
+    for mode in args.modes:
+        calls.append((mode, False, False, lambda mode=mode: run_mode(mode, run_data, args.splits, page_table)))
+        calls.append((mode, True, False, planned_call(mode, run_data, args.splits, page_table)))
+    ref_fns, shared = reference_fns(data), {}
+    for peer in bench.peers:
+        if peer.reason is None:
+            try:
+                fn = peer_lib.peer_callable(peer, data, args.heads, ref_fns, paging, shared)[0]
+            except Exception as exc:  # noqa: BLE001 - said in its row of the main table too
+                rows.append(dict(base_row(case, peer.name, "host", args), peer=True, plan=False,
+                                 error="setup failed: " + error_text(exc)))
+                continue
+            calls.append((peer.name, False, True, fn))
+    for impl, planned, is_peer, fn in calls:
+        row = dict(base_row(case, impl, "host", args), plan=planned, peer=is_peer)
+        measure_host(row, fn, args.host_calls, cycles_per_us)
+        print(format_host_row(row), flush=True)
+        rows.append(row)
+    del data, run_data, paging, ref_fns, shared, calls
+    torch.cuda.empty_cache()
+    return rows
+
+
+def format_host_row(row: dict) -> str:
+    call = "plan.run" if row.get("plan") else ("peer" if row.get("peer") else "eager")
+    head = f"  {row['impl']:<14} {call:<9}"
+    if "error" in row:
+        return f"{head} {'unavailable' if row.get('peer') else 'FAILED'}: {row['error']}"
+    text = (f"{head} {row['host_us_per_call']:8.1f} us/call wall, GPU {row['gpu_us_per_call']:7.1f} us, host overhead "
+            f"{row['host_overhead_us']:7.1f} us")
+    return text + ("" if row["gpu_time_queued"] else "  (GPU time: the queue ran dry, an upper bound)")
+
+
+def print_host_summary(rows: list[dict]) -> None:
+    """The host table again, with the fastest peer's wall time per call for comparison."""
+    host = [r for r in rows if r["kind"] == "host" and "host_us_per_call" in r]
+    if not host:
+        return
+    print(f"\n== host cost per call at {host[0]['case']}: wall us/call | GPU us/call | host overhead us")
+    for row in host:
+        print(format_host_row(row))
+    peer_rows = [r for r in host if r["peer"]]
+    if peer_rows:
+        fastest = min(peer_rows, key=lambda r: r["host_us_per_call"])
+        print(f"fastest peer per call: {fastest['impl']} {fastest['host_us_per_call']:.1f} us wall", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------ output
@@ -759,7 +690,7 @@ def geomean(values: list[float]) -> float:
 def timed_impls(rows: list[dict], kinds: tuple[str, ...]) -> list[str]:
     """Implementations of these kinds with at least one time: modes, then peers, then baselines."""
     timed = {r["impl"] for r in rows if r["kind"] in kinds and "time_us" in r}
-    return [impl for impl in (*MODES, *PEERS, AITER, *BASELINES) if impl in timed]
+    return [impl for impl in IMPL_ORDER if impl in timed]
 
 
 def lookup(rows: list[dict], case_label: str, impl: str) -> dict | None:
@@ -887,6 +818,7 @@ def compile_only(args, cases: list[Case]) -> int:
     """No GPU: build, for sm_90a, every kernel variant this command line would run; 0 when all compiled."""
     print("no CUDA device: timing skipped. Compiling the kernel variants this run would use, for sm_90a, on the CPU.")
     spec = target.spec_for_name("sm_90a")
+    cases = list(dict.fromkeys(cases + [uniform_case(*shape) for shape in args.host_shape]))  # + the host table's
     print_split_table(spec, cases, args)
     configs = list(dict.fromkeys(
         cfg for case in cases for mode in args.modes
@@ -921,12 +853,8 @@ def print_ceiling(ceiling: dict) -> None:
 
 
 def print_peers(peers: list[Peer], args) -> None:
-    for peer in peers:
-        if peer.name in PEERS:
-            print(f"peer {peer.name}: " + (f"unavailable: {peer.reason}" if peer.reason else
-                                           f"flashinfer {getattr(peer.module, '__version__', '?')}"))
     if not args.no_peers:
-        print(aiter_status(next((p for p in peers if p.name == AITER), None)))
+        print("\n".join(peer_lib.status_lines(peers)))
     print("kernels compile on first use (one 'ready in' line each; TileLang's disk cache makes reruns fast)",
           flush=True)
 
@@ -938,19 +866,22 @@ def run_benchmark(args, cases: list[Case]) -> int:
     ceiling = measure_read_ceiling(DEVICE)
     print_ceiling(ceiling)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
-    peers = [] if args.no_peers else setup_peers(DEVICE)
+    peers = [] if args.no_peers else peer_lib.setup_peers(DEVICE)
     print_peers(peers, args)
     bench = Bench(args=args, spec=spec, device=DEVICE, flush=flush, ceiling_gbps=ceiling["gbps"], peers=peers)
     rows = []
     for case in cases:
         rows += bench_case(bench, case)
+    for shape in args.host_shape:
+        rows += bench_host(bench, uniform_case(*shape))
     if args.json:
         write_json(args.json, rows, ceiling, args, device_name)
     if args.plot:
         title = f"MLA decode, {device_name}, q_len {args.q_len}, {args.heads} heads"
         write_plot(args.plot, rows, cases, ceiling["gbps"], title)
     print_summary(rows, cases, ceiling["gbps"], args)
-    return 1 if any(r["kind"] == "mode" and "error" in r for r in rows) else 0
+    print_host_summary(rows)
+    return 1 if any(r["kind"] in ("mode", "host") and "error" in r and not r.get("peer") for r in rows) else 0
 
 
 def main(argv=None) -> int:
@@ -962,8 +893,8 @@ def main(argv=None) -> int:
     except AttributeError:
         pass
     cases = build_cases(args)
-    if not cases:
-        print("nothing to run: no shapes (add --ragged or --long, or give --shapes)")
+    if not cases and not args.host_shape:
+        print("nothing to run: no shapes (add --ragged or --long, or give --shapes or --host-shape)")
         return 2
     if not torch.cuda.is_available():
         return compile_only(args, cases)

@@ -41,11 +41,18 @@ def get_kernel(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):
 def get_launcher(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):
     """The cheapest callable that launches ``cfg`` with all arguments given positionally (outputs included).
 
-    With TileLang's tvm-ffi backend this is the compiled executable itself, skipping the adapter's per-call
-    Python bookkeeping (it allocates nothing for us: every output is passed in)."""
+    With TileLang's tvm-ffi backend this is the executable's entry function itself (a ``tvm_ffi.Function``),
+    skipping the adapter's per-call Python bookkeeping (it allocates nothing for us: every output is passed in) and
+    the executable's own ``__call__`` (which looks its module and entry function up on every call)."""
     kernel = get_kernel(cfg, spec)
     executable = getattr(getattr(kernel, "adapter", None), "get_exportable_executable", None)
-    return executable() if executable is not None else kernel
+    if executable is None:
+        return kernel
+    executable = executable()
+    # A fresh compile gives a tvm.runtime.Executable (its module comes from .jit()), a disk-cache hit the module.
+    module = executable.jit() if hasattr(type(executable), "jit") else executable
+    entry = getattr(module, "main", None)
+    return entry if callable(entry) else executable
 
 
 def lower(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import bench
+from tools import peers
 from mla.inputs import make_ragged_inputs
 from mla.reference import mla_decode_reference
 
@@ -128,15 +129,22 @@ class FakeAiter:
         return next(arguments for n, arguments in self.calls if n == name)
 
 
+@pytest.fixture(autouse=True)
+def no_flashmla(monkeypatch):
+    """FlashMLA is a peer only with $FLASHMLA_LEGACY_LIB (set on the GPU host): not in these tests
+    (tests/test_peers_flashmla_cpu.py has its own fake)."""
+    monkeypatch.delenv(peers.FLASHMLA_LIB_ENV, raising=False)
+
+
 @pytest.fixture
 def on_rocm(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.3.0-fake")
 
 
 def aiter_peer(fake):
-    module, reason = bench.load_aiter()
+    module, reason = peers.load_aiter()
     assert reason is None and module is fake.module
-    return bench.Peer(bench.AITER, module=module)
+    return peers.Peer(peers.AITER, module=module)
 
 
 # ------------------------------------------------------------------------------------------------ detection
@@ -145,23 +153,23 @@ def aiter_peer(fake):
 def test_not_on_rocm_does_nothing(monkeypatch, capsys):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setitem(sys.modules, "aiter", None)  # any attempt to import aiter would now raise ImportError
-    assert bench.load_aiter() == (None, "not on ROCm")
-    assert bench.setup_aiter_peer() is None
-    assert bench.aiter_status(None) == "aiter: not on ROCm"
-    monkeypatch.setattr(bench, "load_flashinfer", lambda: (None, "no flashinfer here"))
-    peers = bench.setup_peers("cpu")
-    assert [p.name for p in peers] == list(bench.PEERS)
-    bench.print_peers(peers, argparse.Namespace(no_peers=False))
+    assert peers.load_aiter() == (None, "not on ROCm")
+    assert peers.setup_aiter_peer() is None
+    assert peers.aiter_status(None) == "aiter: not on ROCm"
+    monkeypatch.setattr(peers, "load_flashinfer", lambda: (None, "no flashinfer here"))
+    found = peers.setup_peers("cpu")
+    assert [p.name for p in found] == list(peers.FLASHINFER)
+    bench.print_peers(found, argparse.Namespace(no_peers=False))
     out = capsys.readouterr().out
     assert "aiter: not on ROCm" in out.splitlines()
 
 
 def test_import_failure_is_unavailable(monkeypatch, on_rocm):
     monkeypatch.setitem(sys.modules, "aiter", None)
-    peer = bench.setup_aiter_peer()
+    peer = peers.setup_aiter_peer()
     assert peer.name == "aiter" and peer.module is None
     assert peer.reason.startswith("unavailable: import aiter failed: ")
-    assert bench.aiter_status(peer).startswith("aiter: unavailable: ")
+    assert peers.aiter_status(peer).startswith("aiter: unavailable: ")
 
 
 def test_pypi_aiter_is_the_wrong_package(monkeypatch, on_rocm):
@@ -169,25 +177,25 @@ def test_pypi_aiter_is_the_wrong_package(monkeypatch, on_rocm):
     unrelated.__file__ = "/site-packages/aiter.py"
     monkeypatch.setitem(sys.modules, "aiter", unrelated)
     monkeypatch.delitem(sys.modules, "aiter.mla", raising=False)
-    peer = bench.setup_aiter_peer()
+    peer = peers.setup_aiter_peer()
     assert peer.reason.startswith("wrong package")
-    assert bench.aiter_status(peer).startswith("aiter: wrong package")
+    assert peers.aiter_status(peer).startswith("aiter: wrong package")
 
 
 def test_aiter_without_persistent_metadata_is_unavailable(monkeypatch, on_rocm):
     fake = FakeAiter().install(monkeypatch)
     monkeypatch.delattr(fake.module, "get_mla_metadata_info_v1")
-    _, reason = bench.load_aiter()
+    _, reason = peers.load_aiter()
     assert reason.startswith("unavailable: amd-aiter too old") and "get_mla_metadata_info_v1" in reason
 
 
 def test_amd_aiter_is_detected(monkeypatch, on_rocm, capsys):
     fake = FakeAiter().install(monkeypatch)
-    monkeypatch.setattr(bench, "load_flashinfer", lambda: (None, "no flashinfer on ROCm"))
-    peers = bench.setup_peers("cpu")
-    assert [p.name for p in peers] == [*bench.PEERS, "aiter"]
-    assert peers[-1].module is fake.module and peers[-1].reason is None
-    bench.print_peers(peers, argparse.Namespace(no_peers=False))
+    monkeypatch.setattr(peers, "load_flashinfer", lambda: (None, "no flashinfer on ROCm"))
+    found = peers.setup_peers("cpu")
+    assert [p.name for p in found] == [*peers.FLASHINFER, "aiter"]
+    assert found[-1].module is fake.module and found[-1].reason is None
+    bench.print_peers(found, argparse.Namespace(no_peers=False))
     assert "aiter: amd-aiter " in capsys.readouterr().out
     assert fake.calls == []  # detection calls nothing
 
@@ -204,7 +212,7 @@ def test_call_sequence(monkeypatch, on_rocm, fp8, heads, q_len):
     q, kv_data, qo_indptr, kv_indptr, _ = data
     batch, total_q, total_kv = len(kv_lens), q.shape[0], sum(kv_lens)
 
-    fn, ref_fn = bench.aiter_callable(aiter_peer(fake), data, heads)
+    fn, ref_fn = peers.aiter_callable(aiter_peer(fake), data, heads)
     assert fake.names() == ["get_mla_metadata_info_v1", "get_mla_metadata_v1"]  # setup, untimed
 
     info = fake.call("get_mla_metadata_info_v1")
@@ -260,7 +268,7 @@ def test_heads_not_multiple_of_8_fail_in_setup(monkeypatch, on_rocm):
     fake = FakeAiter().install(monkeypatch)
     data = make_ragged_inputs([4, 4], 1, num_heads=16, device="cpu")
     with pytest.raises(ValueError, match="16"):
-        bench.aiter_callable(aiter_peer(fake), data, heads=12)  # q has 16 heads
+        peers.aiter_callable(aiter_peer(fake), data, heads=12)  # q has 16 heads
 
 
 # ------------------------------------------------------------------------------------------------ rows
@@ -280,11 +288,11 @@ def cpu_timer(fn, *, reps, warmup, flush):
 def run_bench_peers(monkeypatch, fake, check=True):
     monkeypatch.setattr(bench, "time_call_us", cpu_timer)
     args = argparse.Namespace(q_len=1, heads=16, reps=3, check=check)
-    peers = [bench.Peer("fa3", reason="no flashinfer"), aiter_peer(fake)]
-    b = bench.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=peers)
+    found = [peers.Peer("fa3", reason="no flashinfer"), aiter_peer(fake)]
+    b = bench.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=found)
     case = bench.Case("ragged3", (5, 40, 17))
     data = make_ragged_inputs(list(case.kv_lens), 1, num_heads=16, device="cpu")
-    return case, bench.bench_peers(b, case, data, bench.reference_fns(data)["bf16"])
+    return case, bench.bench_peers(b, case, data, bench.reference_fns(data))
 
 
 def test_bench_peers_times_aiter(monkeypatch, on_rocm, capsys):
@@ -315,7 +323,7 @@ def test_bench_peers_reports_aiter_failure_and_goes_on(monkeypatch, on_rocm):
 
     peer = aiter_peer(fake)
     monkeypatch.setattr(fake.module, "get_mla_metadata_v1", older_metadata)  # setup itself fails
-    monkeypatch.setattr(bench, "load_aiter", lambda: (peer.module, None))
+    monkeypatch.setattr(peers, "load_aiter", lambda: (peer.module, None))
     _, rows = run_bench_peers(monkeypatch, fake, check=False)
     assert rows[0]["error"].startswith("setup failed: TypeError")
     assert bench.format_row(rows[0]).split("aiter", 1)[1].strip().startswith("unavailable: setup failed")
@@ -359,9 +367,9 @@ def test_flashinfer_reads_the_same_pages_as_our_kernels(page_size):
 
     data = make_ragged_inputs([5, 0, 40, 17, 1], 1, num_heads=16, device="cpu", seed=4)
     paging = to_paged(data, page_size, seed=2) if page_size else None
-    peer = bench.Peer("fa3", module=types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeMLAWrapper)),
+    peer = peers.Peer("fa3", module=types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeMLAWrapper)),
                       workspace=None)
-    out = bench.flashinfer_callable(peer, data, 16, paging)()
+    out = peers.flashinfer_callable(peer, data, 16, paging)()
     ref, _ = mla_decode_reference(data[0], data[1]["bf16"], data[2], data[3])
     assert torch.isfinite(out).all(), "a NaN slot was read: the page lists point at the wrong rows"
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
@@ -377,3 +385,46 @@ def test_command_line(argv):
     assert result.returncode == 0, result.stderr
     if "--help" in argv:
         assert "AMD aiter" in result.stdout and "--no-peers" in result.stdout
+
+
+# ------------------------------------------------------------------------------------------------ the host-cost table
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
+def test_host_table_rows(monkeypatch, paged):
+    """bench_host on the CPU (target forced, kernels recorded, the CUDA timers replaced): a row per mode for
+    mla_decode and one for DecodePlan.run, and one per peer, each with the three JSON fields."""
+    import mla.decode
+    from test_plan_cpu import Recorder
+
+    monkeypatch.setenv("MLA_TARGET", "sm_90a")
+    monkeypatch.setattr(mla.decode.jit, "get_launcher", lambda cfg, spec: Recorder(cfg.name))
+    mla.decode.clear_caches()
+    calls = []
+    monkeypatch.setattr(bench, "sleep_cycles_per_us", lambda: 1000.0)
+    monkeypatch.setattr(bench, "host_us_per_call", lambda fn, n: calls.append(fn()) or 20.0)
+    monkeypatch.setattr(bench, "gpu_us_per_call", lambda fn, n, host_us, cycles: {"gpu_us": 12.5, "queued": True})
+    flashinfer = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeMLAWrapper))
+    args = bench.parse_args(["--modes", "bf16,a8w8", "--host-calls", "7"] + (["--page-size", "16"] if paged else []))
+    found = [peers.Peer("fa3", module=flashinfer), peers.Peer("fa2", reason="not installed")]
+    b = bench.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=found)
+    rows = bench.bench_host(b, bench.uniform_case(*args.host_shape[0]))
+    mla.decode.clear_caches()
+    assert [(r["impl"], r["plan"], r["peer"]) for r in rows] == [
+        ("bf16", False, False), ("bf16", True, False), ("a8w8", False, False), ("a8w8", True, False),
+        ("fa3", False, True)]
+    for row in rows:
+        assert row["kind"] == "host" and row["case"] == "4x1024" and "error" not in row, row
+        assert row["host_us_per_call"] == 20.0 and row["gpu_us_per_call"] == 12.5 and row["host_overhead_us"] == 7.5
+        assert row["calls"] == 7 and row["gpu_time_queued"]
+    assert len(calls) == len(rows) * bench.HOST_ROUNDS
+    assert all(out.shape == (4, 16, 512) for out in calls)
+    bench.print_host_summary(rows)
+
+
+def test_host_shape_option():
+    assert bench.parse_args([]).host_shape == [(4, 1024)]
+    assert bench.parse_args(["--host-shape", "none"]).host_shape == []
+    assert bench.parse_args(["--host-shape", "8x512"]).host_shape == [(8, 512)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--host-shape", "4x1024,8x8"])

@@ -35,9 +35,9 @@ def no_kernels(monkeypatch):
         return recorders.setdefault(cfg, Recorder(cfg.name))
 
     monkeypatch.setattr(mla.decode.jit, "get_launcher", get_launcher)
-    mla.decode._plan.cache_clear()
+    mla.decode.clear_caches()
     yield recorders
-    mla.decode._plan.cache_clear()
+    mla.decode.clear_caches()
 
 
 def offsets(lengths):

@@ -1,0 +1,210 @@
+"""Launching: which compiled kernels a validated call runs (``kernels``: ``schedule.select_kernels``, compiled and
+cached), and a ``Launch``, everything one call signature derives (kernels, split count, output and workspace shapes,
+the views the kernels take, the constant arguments), made once so that a call only allocates its outputs and
+launches.
+
+Two launch forms, chosen by the decode config:
+  - decode, then (when the KV is split) the combine kernel over fp32 partials:
+      decode(q, kv_rows, block_scales, scale_stride, q_scale, kv_scale, qo_indptr, kv_indptr, [page_table], sm_scale,
+             o_partial, lse_partial)  then  combine(o_partial, lse_partial, out, lse)
+      (one split: decode(..., sm_scale, out, lse), no combine);
+  - one launch when the config has ``fused_combine`` (the split combine inside the decode kernel):
+      decode(q, kv_rows, block_scales, scale_stride, q_scale, kv_scale, qo_indptr, kv_indptr, [page_table], sm_scale,
+             num_splits, o_partial, lse_partial, semaphores, out, lse)
+      with flat fp32 partials (1-element dummies for one split) and zeroed int32 semaphores, at least
+      batch * (num_heads // block_h), that the kernel leaves at zero (``mla.workspace``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import NamedTuple
+
+import torch
+
+from mla import jit, schedule, workspace
+from mla.constants import KV_LORA_RANK
+from mla.target import TARGET_ENV
+from mla.validate import CallSpec
+
+_BF16, _FP32, _UINT8 = torch.bfloat16, torch.float32, torch.uint8
+
+
+class Kernels(NamedTuple):
+    """What a problem runs: the decode config and launcher, the combine launcher (None: one split, or fused), the
+    split count, and whether the decode kernel fuses the combine."""
+
+    decode_cfg: object
+    decode: object
+    combine: object
+    num_splits: int
+    fused: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def kernels(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_q, total_kv, num_splits,
+            overrides) -> Kernels:
+    """``schedule.select_kernels`` for a problem, compiled (or loaded) now; cached, as serving repeats sizes."""
+    decode_cfg, combine_cfg, num_splits = schedule.select_kernels(
+        spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal, page_size=page_size,
+        batch=batch, total_q=total_q, total_kv=total_kv, num_splits=num_splits, **dict(overrides),
+    )
+    fused = bool(getattr(decode_cfg, "fused_combine", False))
+    combine = None if combine_cfg is None or fused else jit.get_launcher(combine_cfg, spec)
+    return Kernels(decode_cfg, jit.get_launcher(decode_cfg, spec), combine, num_splits, fused)
+
+
+class Workspace(NamedTuple):
+    """A plan's preallocated buffers (``DecodePlan``): the split partials (shaped for the two-kernel form, flat for
+    the fused one; None without splits), an LSE for runs that return none, and semaphores (None unless fused)."""
+
+    o_partial: torch.Tensor | None
+    lse_partial: torch.Tensor | None
+    o_partial_flat: torch.Tensor | None
+    lse_partial_flat: torch.Tensor | None
+    lse: torch.Tensor
+    semaphores: torch.Tensor | None
+
+
+class Launch:
+    """One call signature, prepared: ``run`` allocates the outputs (unless given) and the split partials (unless a
+    plan's workspace holds them) and launches. Nothing in it depends on tensor values."""
+
+    __slots__ = ("device", "forced_target", "cache_rows", "total_q", "page_size", "decode", "combine", "num_splits",
+                 "fused", "semaphore_count", "dummy_partials", "out_shape", "lse_shape", "scratch_numel", "lse_numel", "o_partial_view",
+                 "lse_partial_view", "kv_rows_shape", "kv_as_uint8", "block_scale_len", "block_scale_as_uint8", "block_scales",
+                 "scale_stride", "q_mode", "q_scale", "reshape_q_scale", "kv_scale", "reshape_kv_scale", "paged")
+
+    def __init__(self, call: CallSpec, *, causal: bool, num_splits: int | None, total_kv: int, overrides: tuple):
+        device = call.device
+        self.device = device
+        # The target of a device that is no GPU comes from $MLA_TARGET (lowering-only use, tests): re-read per call.
+        self.forced_target = None if device.type == "cuda" else os.environ.get(TARGET_ENV)
+        self.cache_rows, self.total_q, self.page_size = call.cache_rows, call.total_q, call.page_size
+        self.out_shape = (call.total_q, call.num_heads, KV_LORA_RANK)
+        self.lse_shape = (call.total_q, call.num_heads)
+        self.decode = self.combine = None
+        self.num_splits, self.fused, self.semaphore_count = 1, False, 0
+        if call.total_q and call.batch:  # else nothing to launch: the outputs are empty
+            k = kernels(call.spec, call.kv_format, call.kernel_q_format, call.num_heads, causal, call.page_size,
+                        call.batch, call.total_q, total_kv, num_splits, overrides)
+            self.decode, self.combine, self.num_splits, self.fused = k.decode, k.combine, k.num_splits, k.fused
+            if k.fused:
+                self.semaphore_count = call.batch * (call.num_heads // k.decode_cfg.block_h)
+        # The fused kernels' partial arguments with one split (never read), made here: not inside a graph capture.
+        self.dummy_partials = workspace.dummy_fp32(device) if self.fused and self.num_splits == 1 else None
+        # Split partials of an eager call: views of one fp32 scratch allocation, o_partial first, then lse_partial,
+        # then (when nobody reads it) the LSE; each part starts at a multiple of 64 elements (256 B). The fused
+        # kernels take the partials flat.
+        rows = call.total_q * call.num_heads
+        o_numel, lse_partial_numel = self.num_splits * rows * KV_LORA_RANK, self.num_splits * rows
+        self.scratch_numel = _aligned(o_numel) + _aligned(lse_partial_numel)
+        self.lse_numel = rows
+        lse_partial_shape = (self.num_splits, *self.lse_shape)
+        o_shape = (*lse_partial_shape, KV_LORA_RANK)
+        if self.fused:
+            self.o_partial_view = ((o_numel,), (1,), 0)
+            self.lse_partial_view = ((lse_partial_numel,), (1,), _aligned(o_numel))
+        else:
+            self.o_partial_view = (o_shape, _contiguous_strides(o_shape), 0)
+            self.lse_partial_view = (lse_partial_shape, _contiguous_strides(lse_partial_shape), _aligned(o_numel))
+        self.kv_rows_shape = (call.cache_rows, call.row)
+        self.kv_as_uint8 = call.kv_as_uint8
+        self.block_scale_len, self.block_scale_as_uint8 = call.block_scale_len, call.block_scale_as_uint8
+        self.scale_stride = call.scale_stride
+        self.block_scales = None if call.block_scale_len else workspace.no_block_scales(device)
+        self.q_mode = call.kernel_q_format  # "bf16": unit scale; "fp8": amax(|q|) per call; "fp8_codes": caller's
+        self.q_scale = workspace.unit_scale(device) if self.q_mode == "bf16" else None
+        self.reshape_q_scale = call.reshape_q_scale
+        self.kv_scale = None if call.kv_format == "fp8" else workspace.unit_scale(device)
+        self.reshape_kv_scale = call.reshape_kv_scale
+        self.paged = bool(call.page_size)
+
+    def target_changed(self) -> bool:
+        """Whether $MLA_TARGET changed since this launch was made for a device that is no GPU (tests)."""
+        return self.forced_target is not None and os.environ.get(TARGET_ENV) != self.forced_target
+
+    def run(self, q, kv_cache, qo_indptr, kv_indptr, page_table, kv_scale, kv_block_scale, q_scale, sm_scale, out,
+            lse, return_lse, ws: Workspace | None = None):
+        """Launches the kernels on the caller's tensors; returns ``out`` or ``(out, lse)``."""
+        device = self.device
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=_BF16, device=device)
+        o_partial = lse_partial = None
+        if ws is not None:  # a plan's run: its workspace holds the partials and an LSE nobody reads
+            if lse is None:
+                lse = torch.empty(self.lse_shape, dtype=_FP32, device=device) if return_lse else ws.lse
+            if self.num_splits > 1:
+                o_partial, lse_partial = (ws.o_partial_flat, ws.lse_partial_flat) if self.fused else (ws.o_partial,
+                                                                                                     ws.lse_partial)
+        elif self.num_splits > 1:
+            # One fp32 allocation holds the split partials, and the LSE when nobody reads it.
+            if lse is None and not return_lse:
+                scratch = torch.empty(self.scratch_numel + self.lse_numel, dtype=_FP32, device=device)
+                lse = scratch.as_strided(self.lse_shape, (self.lse_shape[1], 1), self.scratch_numel)
+            else:
+                scratch = torch.empty(self.scratch_numel, dtype=_FP32, device=device)
+                if lse is None:
+                    lse = torch.empty(self.lse_shape, dtype=_FP32, device=device)
+            o_partial = scratch.as_strided(*self.o_partial_view)
+            lse_partial = scratch.as_strided(*self.lse_partial_view)
+        elif lse is None:
+            lse = torch.empty(self.lse_shape, dtype=_FP32, device=device)
+        if self.decode is None:  # no query or no sequence: nothing to compute
+            return (out, lse) if return_lse else out
+
+        kv_rows = (kv_cache.view(_UINT8) if self.kv_as_uint8 else kv_cache).view(self.kv_rows_shape)
+        block_scales = self.block_scales
+        if block_scales is None:
+            block_scales = (kv_block_scale.view(_UINT8) if self.block_scale_as_uint8 else kv_block_scale
+                            ).as_strided((self.block_scale_len,), (1,))
+        if self.q_mode == "bf16":
+            q_scale = self.q_scale
+        elif self.q_mode == "fp8":
+            # a8w8: amax(|q|), one reduction on the device (no host sync); the kernel rounds Q with it. The kernels
+            # cannot fuse it: every CTA would need the amax over all of Q (tools/host_cost.py --a8w8 measures the
+            # ways to compute it).
+            q_scale = torch.linalg.vector_norm(q, ord=math.inf, dtype=_FP32).reshape(1)
+        elif self.reshape_q_scale:
+            q_scale = q_scale.reshape(1)
+        if self.kv_scale is not None:
+            kv_scale = self.kv_scale
+        elif self.reshape_kv_scale:
+            kv_scale = kv_scale.reshape(1)
+        if self.paged:
+            args = (q, kv_rows, block_scales, self.scale_stride, q_scale, kv_scale, qo_indptr, kv_indptr, page_table,
+                    sm_scale)
+        else:
+            args = (q, kv_rows, block_scales, self.scale_stride, q_scale, kv_scale, qo_indptr, kv_indptr, sm_scale)
+        if self.fused:
+            # One launch: the split combine runs inside the decode kernel (see the module docstring).
+            if o_partial is None:
+                o_partial = lse_partial = self.dummy_partials
+            semaphores = ws.semaphores if ws is not None else workspace.semaphores(device, self.semaphore_count)
+            self.decode(*args, self.num_splits, o_partial, lse_partial, semaphores, out, lse)
+        elif o_partial is None:
+            self.decode(*args, out, lse)
+        else:
+            self.decode(*args, o_partial, lse_partial)
+            self.combine(o_partial, lse_partial, out, lse)
+        return (out, lse) if return_lse else out
+
+
+def _aligned(numel: int) -> int:
+    return -(-numel // 64) * 64
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def clear_caches() -> None:
+    """Forget every compiled-kernel selection (tests that replace ``jit.get_launcher``); ``mla.decode`` clears its
+    per-signature launches through ``mla.decode.clear_caches``."""
+    kernels.cache_clear()

@@ -1,0 +1,226 @@
+"""Host cost of one op call. By default without a GPU: ``mla_decode`` and ``DecodePlan.run`` with the target forced to
+sm_90a, the kernels replaced by no-op launchers and the tensors on the ``meta`` device (shape-only: allocating and
+viewing them costs what it costs on the host, no data is touched). That is the host work the op adds around its
+kernel launches (signature lookup, allocations, argument packing; a meta tensor also re-reads $MLA_TARGET, ~0.4 us);
+on the GPU host a launch adds the tvm-ffi call itself and CUDA allocations cost more than meta ones, which
+``--device cuda`` measures (real kernels, real tensors; the GPU may then be the limit: see bench.py's host table).
+
+    python tools/host_cost.py                       # every mode, flat and paged (page 64), eager and plan, 4 x 1024
+    python tools/host_cost.py --calls 20000 --batch 64 --kv-len 8192
+    python tools/host_cost.py --profile bf16        # cProfile of the eager bf16 call (top 25 by own time)
+    python tools/host_cost.py --device cuda --profile bf16      # the same with real kernels (GPU host)
+    python tools/host_cost.py --device cuda --primitives        # us per torch.empty / view / as_strided / launch ...
+    python tools/host_cost.py --device cuda --a8w8              # the ways to compute a8w8's amax(|q|), host and GPU
+
+Each line: the median over 5 rounds of (wall time of ``--calls`` back-to-back calls / calls), in us (on cuda with
+one synchronisation at the end of each round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("MLA_TARGET", "sm_90a")
+
+import torch  # noqa: E402
+
+from mla import jit  # noqa: E402
+from mla.constants import MODES  # noqa: E402
+
+ROUNDS = 5
+DEVICE = "meta"  # --device sets it
+
+
+def no_op_launcher(cfg, spec):
+    """Stands in for ``jit.get_launcher``: a launcher that takes the kernel's positional arguments and does nothing."""
+    return lambda *args: None
+
+
+def inputs(mode: str, batch: int, kv_len: int, heads: int, page_size: int):
+    """(q, kv cache, qo_indptr, kv_indptr, cache keywords, page table or None) on the meta device."""
+    kv_format, q_format = MODES[mode]
+    total_kv = batch * kv_len
+    q = torch.randn(batch, heads, 576, device=DEVICE).to(torch.bfloat16)
+    qo = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    kvp = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE) * kv_len
+    row = 288 if kv_format == "mxfp4" else 576
+    dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}[kv_format]
+    shape = (batch * -(-kv_len // page_size), page_size, 1, row) if page_size else (total_kv, 1, row)
+    kv = torch.zeros(shape, dtype=dtype, device=DEVICE)
+    kwargs = dict(kv_format=kv_format, q_format=q_format)
+    if kv_format == "fp8":
+        kwargs["kv_scale"] = torch.ones(1, dtype=torch.float32, device=DEVICE)
+    if kv_format == "mxfp4":
+        kwargs["kv_block_scale"] = torch.full((total_kv, 18), 127, dtype=torch.uint8, device=DEVICE)
+    table = None
+    if page_size:  # sequence b owns pages b * pages_per_seq ...
+        pages = -(-kv_len // page_size)
+        table = torch.arange(batch * pages, dtype=torch.int32, device=DEVICE).view(batch, pages)
+    return q, kv, qo, kvp, kwargs, table
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(min(calls, 200)):  # warm-up: builds the caches
+        fn()
+    rounds = []
+    for _ in range(ROUNDS):
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(rounds)
+
+
+def callables(mode: str, args, page_size: int):
+    """{"eager": the mla_decode call, "plan": the DecodePlan.run call} for one mode."""
+    from mla.decode import mla_decode, plan
+
+    q, kv, qo, kvp, kwargs, table = inputs(mode, args.batch, args.kv_len, args.heads, page_size)
+    kv_lens = [args.kv_len] * args.batch
+    offsets = [i * args.kv_len for i in range(args.batch + 1)]
+    paging = dict(page_size=page_size, page_table=table) if page_size else {}
+    the_plan = plan(list(range(args.batch + 1)), offsets, num_heads=args.heads, kv_format=kwargs["kv_format"],
+                    q_format=kwargs["q_format"], device=DEVICE, **paging)
+    assert the_plan.batch == len(kv_lens)
+    run_kwargs = {k: v for k, v in kwargs.items() if k in ("kv_scale", "kv_block_scale")}
+
+    def eager():
+        return mla_decode(q, kv, qo, kvp, page_table=table, **kwargs)
+
+    def planned():
+        return the_plan.run(q, kv, **run_kwargs)
+
+    return {"eager": eager, "plan": planned}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--kv-len", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=64, help="page size of the paged rows (0: flat only)")
+    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--profile", metavar="MODE", help="cProfile the eager call of MODE instead")
+    parser.add_argument("--device", choices=("meta", "cuda"), default="meta",
+                        help="meta: no-op launchers (default); cuda: the real kernels")
+    parser.add_argument("--primitives", action="store_true", help="time the torch / tvm-ffi primitives of a call")
+    parser.add_argument("--a8w8", action="store_true", help="time the ways to compute a8w8's amax(|q|)")
+    args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "meta":
+        jit.get_launcher = no_op_launcher  # before the op's first call: every kernel it selects is a no-op
+    else:
+        os.environ.pop("MLA_TARGET", None)
+    if args.primitives:
+        return print_primitives(args)
+    if args.a8w8:
+        return print_a8w8_options(args)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        fn = callables(args.profile, args, 0)["eager"]
+        per_call_us(fn, 200)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.calls):
+            fn()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        return 0
+    what = "meta tensors, no-op launchers" if DEVICE == "meta" else "CUDA tensors, real kernels"
+    print(f"host cost per call, us ({what}; batch {args.batch} x kv {args.kv_len}, "
+          f"{args.heads} heads, median of {ROUNDS} x {args.calls} calls)")
+    print(f"  {'mode':<6} {'layout':<8} {'eager':>8} {'plan':>8}")
+    for mode in args.modes.split(","):
+        for page_size in (0, args.page_size) if args.page_size else (0,):
+            fns = callables(mode, args, page_size)
+            eager, planned = per_call_us(fns["eager"], args.calls), per_call_us(fns["plan"], args.calls)
+            layout = f"page{page_size}" if page_size else "flat"
+            print(f"  {mode:<6} {layout:<8} {eager:8.2f} {planned:8.2f}", flush=True)
+    return 0
+
+
+def print_primitives(args) -> int:
+    """us per call of the operations a call is made of, on --device."""
+    q, kv, qo, kvp, _, _ = inputs("bf16", args.batch, args.kv_len, args.heads, 0)
+    rows = args.batch * args.heads
+    ops = {
+        "torch.empty out (bf16)": lambda: torch.empty((args.batch, args.heads, 512), dtype=torch.bfloat16, device=DEVICE),
+        "torch.empty partials (fp32)": lambda: torch.empty(16 * rows * 513, dtype=torch.float32, device=DEVICE),
+        "as_strided": lambda: kv.as_strided((rows, 512), (512, 1), 0),
+        "view": lambda: kv.view(kv.shape[0], 576),
+        "signature key": lambda: (q.dtype, q.shape, q.device, q.is_contiguous(), kv.dtype, kv.shape, kv.stride(),
+                                  kv.device, qo.dtype, qo.shape, qo.device, qo.is_contiguous()),
+    }
+    if DEVICE == "cuda":
+        import tvm_ffi
+
+        nop = tvm_ffi.get_global_func("testing.nop", allow_missing=True)
+        if nop is not None:
+            args12 = [q, kv, qo, kvp, q, kv, qo, kvp, q, kv, qo, kvp]
+            ops["tvm-ffi call, 12 CUDA tensors (no launch)"] = lambda: nop(*args12)
+        ops["raw current stream"] = lambda: torch._C._cuda_getCurrentRawStream(q.device.index)
+        ops["torch.cuda.current_stream()"] = torch.cuda.current_stream
+        from mla import jit as real_jit, schedule
+        from mla.target import spec_for_device
+
+        spec = spec_for_device(q.device)
+        combine = real_jit.get_launcher(schedule.combine_config(spec, num_heads=args.heads), spec)
+        o_part = torch.zeros(16, args.batch, args.heads, 512, device=DEVICE)
+        l_part = torch.zeros(16, args.batch, args.heads, device=DEVICE)
+        out = torch.empty(args.batch, args.heads, 512, dtype=torch.bfloat16, device=DEVICE)
+        lse = torch.empty(args.batch, args.heads, device=DEVICE)
+        ops["combine kernel launch (4 tensors)"] = lambda: combine(o_part, l_part, out, lse)
+    print(f"us per call on {DEVICE} (median of {ROUNDS} x {args.calls})")
+    for name, fn in ops.items():
+        print(f"  {name:<44} {per_call_us(fn, args.calls):8.2f}", flush=True)
+    return 0
+
+
+def print_a8w8_options(args) -> int:
+    """a8w8 needs amax(|q|) over all of Q as a (1,) float32 before the decode kernel (the kernels cannot fuse it:
+    every CTA would need the whole of Q). Host us per call, and on cuda the GPU time, of the ways to get it."""
+    q = inputs("bf16", args.batch, args.kv_len, args.heads, 0)[0]
+    options = {
+        "vector_norm(q, inf, dtype=fp32).reshape(1) [the op's]":
+            lambda: torch.linalg.vector_norm(q, ord=math.inf, dtype=torch.float32).reshape(1),
+        "vector_norm(q.view(1, -1), inf, dim=1, dtype=fp32)":
+            lambda: torch.linalg.vector_norm(q.view(1, -1), ord=math.inf, dim=1, dtype=torch.float32),
+        "q.abs().amax().float().reshape(1)": lambda: q.abs().amax().float().reshape(1),
+        "torch.aminmax(q) -> max(-min, max)": lambda: torch.stack(torch.aminmax(q)).abs().amax().float().reshape(1),
+    }
+    reference = options["q.abs().amax().float().reshape(1)"]()
+    gpu = None
+    if DEVICE == "cuda":
+        import bench
+
+        cycles = bench.sleep_cycles_per_us()
+        gpu = lambda fn, host: bench.gpu_us_per_call(fn, 50, host, cycles)["gpu_us"]  # noqa: E731
+    print(f"a8w8 amax(|q|) of q ({args.batch}, {args.heads}, 576) on {DEVICE}: host us per call"
+          + (", GPU us per call" if gpu else ""))
+    for name, fn in options.items():
+        if DEVICE != "meta":
+            assert torch.equal(fn(), reference), name
+        host = per_call_us(fn, args.calls)
+        print(f"  {name:<56} {host:8.2f}" + (f" {gpu(fn, host):8.2f}" if gpu else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
