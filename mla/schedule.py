@@ -152,9 +152,13 @@ def select_kernels(
 ) -> tuple[DecodeKernelConfig, CombineKernelConfig | None, int]:
     """What the op launches for a problem: (decode config, combine config or None, num_splits). ``total_kv`` is the
     token count the split model divides by ``batch`` (the op passes its cache's rows; a plan the exact sum);
-    ``num_splits`` forces the split count; 1 means the direct kernel and no combine. ``overrides``: tuning only."""
+    ``num_splits`` forces the split count; 1 means the direct kernel and no combine (the warp-specialised kernel
+    merges its splits itself: no combine config whatever the count). ``overrides``: tuning only."""
     q_tile = query_tile(total_q, batch)
-    if uses_ws(spec, num_heads=num_heads, q_tile=q_tile):
+    # Tuning overrides name the family's fields: the warp-specialised family's with ``ws=True``, else the
+    # 32/64-row kernel's (which also serves a forced config of the 16-row class).
+    ws = overrides.pop("ws", not overrides) and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
+    if ws:
         # One launch whatever the split count: the kernel merges its splits (``combine`` is None).
         cfg = ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
                         page_size=page_size, **overrides)

@@ -98,9 +98,13 @@ def test_splits_come_from_the_exact_lengths(kv_lens):
     the lengths: its split count is the schedule's for the true total."""
     spec = spec_for_name("sm_90a")
     p = plan(offsets([1] * len(kv_lens)), offsets(kv_lens), num_heads=16, kv_format="fp8", device="cpu")
-    cfg = schedule.decode_config(spec, kv_format="fp8", q_format="bf16", num_heads=16, q_tile=1, split=True)
-    assert p.num_splits == schedule.default_num_splits(spec, cfg, batch=len(kv_lens), total_kv=sum(kv_lens))
-    pool_guess = schedule.default_num_splits(spec, cfg, batch=len(kv_lens), total_kv=1 << 22)
+
+    def splits_for(total_kv):
+        return schedule.select_kernels(spec, kv_format="fp8", q_format="bf16", num_heads=16, causal=False, page_size=0,
+                                       batch=len(kv_lens), total_q=len(kv_lens), total_kv=total_kv)[2]
+
+    assert p.num_splits == splits_for(sum(kv_lens))
+    pool_guess = splits_for(1 << 22)
     if sum(kv_lens) < 1 << 16:
         assert p.num_splits != pool_guess or p.num_splits == 1, "the pool's row count would have misled the split"
 
@@ -154,8 +158,8 @@ def test_run_launches_the_same_kernels_with_the_same_arguments(no_kernels, num_s
 
 
 def test_run_reuses_the_plan_workspace(no_kernels):
-    q, kv, qo, kvp = flat_inputs([3000, 5000])
-    p = plan(qo, kvp, num_heads=16, kv_format="bf16", num_splits=4, device="cpu")
+    q, kv, qo, kvp = flat_inputs([3000, 5000], heads=32)  # decode + combine (16 heads: the fused kernel)
+    p = plan(qo, kvp, num_heads=32, kv_format="bf16", num_splits=4, device="cpu")
     p.run(q, kv)
     p.run(q, kv)
     (decode,) = [r for r in no_kernels.values() if r.calls and "combine" not in r.name]
