@@ -60,6 +60,7 @@ class WSDecodeKernelConfig:
     causal: bool = False
     page_size: int = 0  # 0: flat cache; else tokens per page (Page_table argument)
     fp8_dtype: str = "float8_e4m3fn"
+    mma_dtype: str = "bfloat16"  # MMA operand type; "float16" for an fp8 cache (see ``mla_decode_ws_kernel``)
     consumer_regs: int = 240  # setmaxnreg per role (the two must fit 64K registers over 256 threads)
     producer_regs: int = 96
 
@@ -75,6 +76,8 @@ class WSDecodeKernelConfig:
             raise ValueError(f"block_h={self.block_h} must divide num_heads={self.num_heads}")
         if self.block_h != 16 or self.block_n != 64:
             raise ValueError("the warp-specialised kernel is built for 16 query rows x 64-token tiles")
+        if self.mma_dtype not in ("bfloat16", "float16") or (self.mma_dtype == "float16" and self.kv_format != "fp8"):
+            raise ValueError(f"mma_dtype {self.mma_dtype!r}: bfloat16, or float16 for an fp8 cache")
 
     @property
     def block_m(self) -> int:
@@ -110,6 +113,7 @@ class WSDecodeKernelConfig:
         return (
             f"mla_decode_ws_kv{self.kv_format}_q{self.q_format}_h{self.num_heads}_bh{self.block_h}"
             f"_bn{self.block_n}_st{self.num_stages}_r{self.consumer_regs}-{self.producer_regs}"
+            f"{'_f16' if self.mma_dtype == 'float16' else ''}"
             f"{'_causal' if self.causal else ''}{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
         )
 
@@ -144,6 +148,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
     q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
     fp8_max = FP8_MAX[cfg.fp8_dtype]
     bf16, f32 = "bfloat16", "float32"
+    mma = cfg.mma_dtype  # operand type of both GEMMs (Q, K/V tile, P)
+    # fp16 operands (fp8 cache): e4m3 -> fp16 is exact and one instruction per pair (bf16 takes three), P and
+    # Q keep 3 more mantissa bits. Q is scaled by 2^-Q_F16_SHIFT first so any bf16 |q| below 2^23 fits fp16's
+    # range; the factor returns in the score scale. (Elements under 2^-6 then lose relative precision, with an
+    # absolute error below 2^-16: nothing next to the O(1) terms of a 576-long dot product.)
+    q_shift = 2.0 ** -8 if mma == "float16" and cfg.q_format == "bf16" else 1.0
     converts = cfg.kv_format != "bf16"
     # The producer's cp.async arrives on "ready" once per thread; mxfp4 scale stores add one plain arrive each.
     ready_count = PRODUCER_THREADS * (2 if cfg.kv_format == "mxfp4" else 1)
@@ -177,13 +187,15 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
         return (((split * total_q + qi) * head_groups + hg) * KV_LORA_RANK + d) * block_m + r
 
     def q_value(Q, q_begin, q_len, q_scale, qi, h, d):
-        """Q[query qi, head h, dim d] as bf16 (0 past the sequence's queries); a8w8 rounds it to fp8 exactly as
-        torch's per-tensor quantizer does: bf16(q / scale), clamped, to e4m3."""
+        """Q[query qi, head h, dim d] as the MMA type (0 past the sequence's queries), times ``q_shift``; a8w8
+        rounds it to fp8 exactly as torch's per-tensor quantizer does: bf16(q / scale), clamped, to e4m3."""
         value = Q[q_begin + T.min(qi, q_len - 1), h, d]
         if cfg.q_format == "fp8":
             scaled = T.cast(T.cast(T.cast(value, f32) / q_scale, bf16), f32)
             value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
-        return T.if_then_else(qi < q_len, T.cast(value, bf16), T.cast(0, bf16))
+        if q_shift != 1.0:
+            value = T.cast(value, f32) * q_shift
+        return T.if_then_else(qi < q_len, T.cast(value, mma), T.cast(0, mma))
 
     def e2m1(byte, odd):
         """The e2m1 code in the low (even element) or high (odd) nibble of ``byte``, times 2^-14, as fp32: its 3
@@ -209,17 +221,17 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
             # Ring of raw tiles (the cache's own bytes); a bf16 stage is the MMA operand itself.
             if converts:
                 Raw = [T.alloc_shared([block_n, kv_cols], kv_dtype) for _ in range(stages)]
-                K_lat = T.alloc_shared([block_n, KV_LORA_RANK], bf16)
-                K_rope = T.alloc_shared([block_n, ROPE_DIM], bf16)
+                K_lat = T.alloc_shared([block_n, KV_LORA_RANK], mma)
+                K_rope = T.alloc_shared([block_n, ROPE_DIM], mma)
             else:
                 Raw_lat = [T.alloc_shared([block_n, KV_LORA_RANK], bf16) for _ in range(stages)]
                 Raw_rope = [T.alloc_shared([block_n, ROPE_DIM], bf16) for _ in range(stages)]
             if cfg.kv_format == "mxfp4":
                 Raw_scale = [T.alloc_shared([scale_bytes], "uint8") for _ in range(stages)]
                 Block_scale = T.alloc_shared([block_n, MXFP4_SCALES_PER_TOKEN], f32)  # the tile's scales as fp32
-            Q_lat = T.alloc_shared([block_m, KV_LORA_RANK], bf16)
-            Q_rope = T.alloc_shared([block_m, ROPE_DIM], bf16)
-            P_shared = T.alloc_shared([block_m, block_n], bf16)
+            Q_lat = T.alloc_shared([block_m, KV_LORA_RANK], mma)
+            Q_rope = T.alloc_shared([block_m, ROPE_DIM], mma)
+            P_shared = T.alloc_shared([block_m, block_n], mma)
             last_flag = T.alloc_shared([1], "int32")
 
             ready = T.alloc_barrier([ready_count] * stages)
@@ -261,7 +273,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
                 )
                 # One multiply per score: sm_scale, log2(e) and the fp8 per-tensor scales of Q and K.
                 kv_scale = KV_scale[0] * E2M1_OFFSET if cfg.kv_format == "mxfp4" else KV_scale[0]
-                score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * kv_scale)
+                score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * kv_scale / q_shift)
                 out_scale = T.alloc_var(f32, init=kv_scale)
                 for q_pass in T.serial(num_passes):
                     # Stage 1: this pass's Q rows (row r = head hg * block_h + r of query q_pass).
@@ -282,14 +294,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
                             tile_lo = split_lo + tile * block_n
                             T.barrier_wait(ready[s], (q_pass * rounds + rnd) & 1)
                             if tile < num_tiles:
-                                # Stage 2: the tile as bf16 MMA operands.
+                                # Stage 2: the tile as MMA operands (bf16, or fp16 for fp8).
                                 if converts:
                                     if cfg.kv_format == "fp8":
-                                        # fp8 -> bf16 is exact; the per-tensor scale sits in score/out scales.
+                                        # fp8 -> bf16 / fp16 is exact; the per-tensor scale sits in score/out scales.
                                         for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                            K_lat[i, d] = T.cast(Raw[s][i, d], bf16)
+                                            K_lat[i, d] = T.cast(Raw[s][i, d], mma)
                                         for i, d in T.Parallel(block_n, ROPE_DIM):
-                                            K_rope[i, d] = T.cast(Raw[s][i, KV_LORA_RANK + d], bf16)
+                                            K_rope[i, d] = T.cast(Raw[s][i, KV_LORA_RANK + d], mma)
                                     else:
                                         # code * 2^(e - 127) (times 2^-14): exact in bf16. Each scale once per
                                         # tile, then one multiply per element; element 2c / 2c+1 = low / high nibble.
@@ -335,7 +347,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
                                 for d, r in T.Parallel(KV_LORA_RANK, block_m):
                                     acc_o[d, r] *= rescale[r]
                                 for r, j in T.Parallel(block_m, block_n):
-                                    P_shared[r, j] = T.cast(acc_s[j, r], bf16)
+                                    P_shared[r, j] = T.cast(acc_s[j, r], mma)
                                 # Stage 5: O^T += V^T P^T.
                                 T.gemm(K_l, P_shared, acc_o, transpose_A=True, transpose_B=True)
                                 if not converts:

@@ -20,17 +20,19 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from mla import decode as D  # noqa: E402
-from mla import jit, reference, schedule  # noqa: E402
-from mla.constants import DEFAULT_SM_SCALE, MODES  # noqa: E402
+from mla import jit, reference, schedule, workspace  # noqa: E402
+from mla.constants import MODES  # noqa: E402
+from mla.harness import run_harness  # noqa: E402
 from mla.inputs import make_harness_inputs, make_ragged_inputs  # noqa: E402
 from mla.target import spec_for_name  # noqa: E402
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig  # noqa: E402
 
 SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
+OLD_FAMILY = {"block_n": 64}  # any override of the old family's fields selects it (its default tile)
 VARIANTS = {  # name -> config overrides
     "st2": dict(num_stages=2),
     "st3": dict(num_stages=3),
+    "st3-f16": dict(num_stages=3, mma_dtype="float16"),
 }
 
 
@@ -44,31 +46,24 @@ def ws_config(spec, mode: str, *, num_heads=16, causal=False, page_size=0, **ove
 def variants_for(mode: str):
     out = []
     for name, ov in VARIANTS.items():
-        cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], **ov)
+        try:
+            cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], **ov)
+        except ValueError:  # e.g. fp16 operands for a non-fp8 cache
+            continue
         if cfg.shared_bytes <= 227 * 1024:
             out.append((name, ov))
     return out
 
 
-def run_ws(cfg, spec, data, mode, num_splits, out=None, lse=None, sem=None):
-    q, kv_data, qo_indptr, kv_indptr, _ = data
-    cache, extra = D.harness_cache(kv_data, mode)
-    q_format = MODES[mode][1]
-    call = D._validate_call(q, cache, qo_indptr, kv_indptr, extra.get("kv_scale"), extra.get("kv_block_scale"),
-                            None, q_format, None, paged=False)
-    total_q, heads = call.total_q, call.num_heads
-    if out is None:
-        out = torch.empty(total_q, heads, 512, dtype=torch.bfloat16, device=q.device)
-        lse = torch.empty(total_q, heads, dtype=torch.float32, device=q.device)
-    n_part = num_splits * total_q * heads if num_splits > 1 else 1
-    o_part = torch.empty(n_part * 512, dtype=torch.float32, device=q.device)
-    l_part = torch.empty(n_part, dtype=torch.float32, device=q.device)
-    if sem is None:
-        sem = torch.zeros(call.batch * heads // cfg.block_h, dtype=torch.int32, device=q.device)
-    launcher = jit.get_launcher(cfg, spec)
-    launcher(call.q, call.kv_rows, call.block_scales, call.scale_stride, call.q_scale, call.kv_scale, qo_indptr,
-             kv_indptr, DEFAULT_SM_SCALE, num_splits, o_part, l_part, sem, out, lse)
-    return out, lse, sem
+def run_ws(overrides, data, mode, num_splits, out=None, lse=None, causal=False):
+    """The op on the warp-specialised kernel with tuning ``overrides`` (its config fields) and a forced split count."""
+    return run_harness(data, mode, num_splits=num_splits, config_overrides={"ws": True, **overrides}, out=out, lse=lse,
+                       return_lse=True, causal=causal)
+
+
+def run_old(data, mode):
+    """The op on the 32/64-row kernel family (decode + combine), as every call ran before the new family."""
+    return run_harness(data, mode, config_overrides=OLD_FAMILY)
 
 
 def check(spec, args) -> list[dict]:
@@ -93,14 +88,13 @@ def check(spec, args) -> list[dict]:
         for mode in MODES:
             ref_out, ref_lse = reference.harness_reference(data, mode, causal=causal)
             for name, ov in variants_for(mode):
-                cfg = ws_config(spec, mode, causal=causal, **ov)
                 for splits in (1, 2, 5, 16):
                     out = torch.full((data[0].shape[0], 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
                     lse = torch.full((data[0].shape[0], 16), float("nan"), dtype=torch.float32, device="cuda")
-                    sem = torch.zeros(len(kv_lens) + 1, dtype=torch.int32, device="cuda")
                     for rep in range(2):  # twice: the semaphores must be back at zero
-                        run_ws(cfg, spec, data, mode, splits, out, lse, sem[: len(kv_lens)])
+                        run_ws(ov, data, mode, splits, out, lse, causal=causal)
                     torch.cuda.synchronize()
+                    sem = workspace.semaphores(torch.device("cuda"), len(kv_lens))
                     o, r = out.float(), ref_out.float()
                     err = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
                     finite = bool(torch.isfinite(o).all())
@@ -152,14 +146,13 @@ def timing(spec, args) -> list[dict]:
         data = make_harness_inputs(batch, kv_len, seed=1)
         for mode in MODES:
             ref_bytes = batch * kv_len * bytes_per_token(mode)
-            t_old = time_us(lambda: D.run_harness(data, mode), flush, args.reps)
+            t_old = time_us(lambda: run_old(data, mode), flush, args.reps)
             line = [f"{batch:3d}x{kv_len:5d} {mode:5s} old {t_old:8.1f}"]
             rows.append(dict(kind="time", batch=batch, kv_len=kv_len, mode=mode, impl="old", time_us=t_old))
             for name, ov in variants_for(mode):
-                cfg = ws_config(spec, mode, **ov)
                 best = None
                 for splits in split_candidates(batch, kv_len):
-                    t = time_us(lambda: run_ws(cfg, spec, data, mode, splits), flush, args.reps)
+                    t = time_us(lambda: run_ws(ov, data, mode, splits), flush, args.reps)
                     rows.append(dict(kind="time", batch=batch, kv_len=kv_len, mode=mode, impl=f"ws-{name}",
                                      splits=splits, time_us=t, gbps=ref_bytes / t / 1e3))
                     if best is None or t < best[1]:
@@ -182,7 +175,8 @@ def prebuild(spec):
             kv_format, q_format = MODES[mode]
             kq = "fp8" if q_format == "fp8" else "bf16"
             dec, comb, n = schedule.select_kernels(spec, kv_format=kv_format, q_format=kq, num_heads=16, causal=False,
-                                                   page_size=0, batch=batch, total_q=batch, total_kv=batch * kv_len)
+                                                   page_size=0, batch=batch, total_q=batch, total_kv=batch * kv_len,
+                                                   **OLD_FAMILY)
             jit.get_kernel(dec, spec)
             if comb is not None:
                 jit.get_kernel(comb, spec)
@@ -201,7 +195,7 @@ def main():
     if args.prebuild:
         prebuild(spec_for_name("sm_90a"))
         return
-    spec = D.spec_for_device(torch.device("cuda"))
+    spec = None
     rows = []
     if args.check:
         rows += check(spec, args)

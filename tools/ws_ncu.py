@@ -7,18 +7,16 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "tools")
-from mla import decode as D  # noqa: E402
 from mla.inputs import make_harness_inputs  # noqa: E402
-from ws_check import run_ws, ws_config  # noqa: E402
+from ws_check import run_old, run_ws  # noqa: E402
 
 impl, mode, batch, kv_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 splits = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 data = make_harness_inputs(batch, kv_len, seed=1)
-spec = D.spec_for_device(torch.device("cuda"))
 for _ in range(3):
     if impl == "ws":
-        run_ws(ws_config(spec, mode, num_stages=3 if mode != "bf16" else 2), spec, data, mode, splits)
+        run_ws({"num_stages": 3 if mode != "bf16" else 2}, data, mode, splits)
     else:
-        D.run_harness(data, mode)
+        run_old(data, mode)
 torch.cuda.synchronize()
 print("done", impl, mode, batch, kv_len, splits)
