@@ -61,6 +61,8 @@ class WSDecodeKernelConfig:
     page_size: int = 0  # 0: flat cache; else tokens per page (Page_table argument)
     fp8_dtype: str = "float8_e4m3fn"
     mma_dtype: str = "bfloat16"  # MMA operand type; "float16" for an fp8 cache (see ``mla_decode_ws_kernel``)
+    mxfp4_chunks: bool = True  # mxfp4: each thread decodes whole 32-element blocks (one 16-byte load, one scale)
+    # instead of TileLang's element-wise partition (a byte load and a scale load per element pair)
     consumer_regs: int = 240  # setmaxnreg per role (the two must fit 64K registers over 256 threads)
     producer_regs: int = 96
 
@@ -99,7 +101,7 @@ class WSDecodeKernelConfig:
         stage = self.block_n * self.raw_cols * elem
         if self.kv_format == "mxfp4":
             stage += self.block_n * MXFP4_SCALES_PER_TOKEN
-            bf16_tile_extra = 4 * self.block_n * MXFP4_SCALES_PER_TOKEN  # fp32 scale table
+            bf16_tile_extra = 0 if self.mxfp4_chunks else 4 * self.block_n * MXFP4_SCALES_PER_TOKEN  # fp32 scales
         else:
             bf16_tile_extra = 0
         bf16_tile = 0 if self.kv_format == "bf16" else 2 * QK_DIM * self.block_n
@@ -114,6 +116,7 @@ class WSDecodeKernelConfig:
             f"mla_decode_ws_kv{self.kv_format}_q{self.q_format}_h{self.num_heads}_bh{self.block_h}"
             f"_bn{self.block_n}_st{self.num_stages}_r{self.consumer_regs}-{self.producer_regs}"
             f"{'_f16' if self.mma_dtype == 'float16' else ''}"
+            f"{'_elem' if self.kv_format == 'mxfp4' and not self.mxfp4_chunks else ''}"
             f"{'_causal' if self.causal else ''}{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
         )
 
@@ -214,6 +217,33 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
             T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.shift_left(e, 23)), f32),
         )
 
+    block_bytes = MXFP4_BLOCK // 2  # 16 packed bytes per 32-element scale block
+    lat_blocks = KV_LORA_RANK // MXFP4_BLOCK  # 16 blocks per row: the latent part
+    rope_blocks = ROPE_DIM // MXFP4_BLOCK  # 2 blocks per row: the rope part
+
+    @T.macro
+    def decode_mxfp4_blocks(raw, raw_scale, K_lat, K_rope, tx):
+        """Consumer thread ``tx`` decodes whole 32-element blocks of the tile: one 16-byte shared load of the
+        packed codes and one scale byte per block, then 32 bf16 values in contiguous runs."""
+        packed = T.alloc_local([block_bytes], "uint8")
+        for k in T.unroll(block_n * (lat_blocks + rope_blocks) // CONSUMER_THREADS):
+            blk_id = tx + k * CONSUMER_THREADS
+            i = blk_id // (lat_blocks + rope_blocks)
+            b = blk_id % (lat_blocks + rope_blocks)
+            scale = e8m0(raw_scale[i * MXFP4_SCALES_PER_TOKEN + b])
+            for v in T.vectorized(block_bytes):
+                packed[v] = raw[i, b * block_bytes + v]
+            if b < lat_blocks:
+                for e in T.vectorized(MXFP4_BLOCK):
+                    K_lat[i, b * MXFP4_BLOCK + e] = T.cast(
+                        e2m1(T.cast(packed[e // 2], "int32"), e % 2) * scale, bf16
+                    )
+            else:
+                for e in T.vectorized(MXFP4_BLOCK):
+                    K_rope[i, (b - lat_blocks) * MXFP4_BLOCK + e] = T.cast(
+                        e2m1(T.cast(packed[e // 2], "int32"), e % 2) * scale, bf16
+                    )
+
     @T.macro
     def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
              num_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
@@ -228,7 +258,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
                 Raw_rope = [T.alloc_shared([block_n, ROPE_DIM], bf16) for _ in range(stages)]
             if cfg.kv_format == "mxfp4":
                 Raw_scale = [T.alloc_shared([scale_bytes], "uint8") for _ in range(stages)]
-                Block_scale = T.alloc_shared([block_n, MXFP4_SCALES_PER_TOKEN], f32)  # the tile's scales as fp32
+                if not cfg.mxfp4_chunks:
+                    Block_scale = T.alloc_shared([block_n, MXFP4_SCALES_PER_TOKEN], f32)  # the tile's scales as fp32
             Q_lat = T.alloc_shared([block_m, KV_LORA_RANK], mma)
             Q_rope = T.alloc_shared([block_m, ROPE_DIM], mma)
             P_shared = T.alloc_shared([block_m, block_n], mma)
@@ -303,22 +334,24 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
                                         for i, d in T.Parallel(block_n, ROPE_DIM):
                                             K_rope[i, d] = T.cast(Raw[s][i, KV_LORA_RANK + d], mma)
                                     else:
-                                        # code * 2^(e - 127) (times 2^-14): exact in bf16. Each scale once per
-                                        # tile, then one multiply per element; element 2c / 2c+1 = low / high nibble.
-                                        for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
-                                            Block_scale[i, b] = e8m0(Raw_scale[s][i * MXFP4_SCALES_PER_TOKEN + b])
-                                        for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                            K_lat[i, d] = T.cast(
-                                                e2m1(T.cast(Raw[s][i, d // 2], "int32"), d % 2)
-                                                * Block_scale[i, d // MXFP4_BLOCK],
-                                                bf16,
-                                            )
-                                        for i, d in T.Parallel(block_n, ROPE_DIM):
-                                            K_rope[i, d] = T.cast(
-                                                e2m1(T.cast(Raw[s][i, (KV_LORA_RANK + d) // 2], "int32"), d % 2)
-                                                * Block_scale[i, (KV_LORA_RANK + d) // MXFP4_BLOCK],
-                                                bf16,
-                                            )
+                                        # code * 2^(e - 127) (times 2^-14): exact in bf16.
+                                        if cfg.mxfp4_chunks:
+                                            decode_mxfp4_blocks(Raw[s], Raw_scale[s], K_lat, K_rope, tx)
+                                        else:
+                                            for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
+                                                Block_scale[i, b] = e8m0(Raw_scale[s][i * MXFP4_SCALES_PER_TOKEN + b])
+                                            for i, d in T.Parallel(block_n, KV_LORA_RANK):
+                                                K_lat[i, d] = T.cast(
+                                                    e2m1(T.cast(Raw[s][i, d // 2], "int32"), d % 2)
+                                                    * Block_scale[i, d // MXFP4_BLOCK],
+                                                    bf16,
+                                                )
+                                            for i, d in T.Parallel(block_n, ROPE_DIM):
+                                                K_rope[i, d] = T.cast(
+                                                    e2m1(T.cast(Raw[s][i, (KV_LORA_RANK + d) // 2], "int32"), d % 2)
+                                                    * Block_scale[i, (KV_LORA_RANK + d) // MXFP4_BLOCK],
+                                                    bf16,
+                                                )
                                     T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
                                     T.barrier_arrive(free[s])  # the producer may refill the stage now
                                     K_l, K_r = K_lat, K_rope

@@ -33,6 +33,7 @@ VARIANTS = {  # name -> config overrides
     "st2": dict(num_stages=2),
     "st3": dict(num_stages=3),
     "st3-f16": dict(num_stages=3, mma_dtype="float16"),
+    "st3-elem": dict(num_stages=3, mxfp4_chunks=False),  # mxfp4 only: TileLang's element-wise decode
 }
 
 
@@ -49,6 +50,8 @@ def variants_for(mode: str):
         try:
             cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], **ov)
         except ValueError:  # e.g. fp16 operands for a non-fp8 cache
+            continue
+        if "mxfp4_chunks" in ov and cfg.kv_format != "mxfp4":
             continue
         if cfg.shared_bytes <= 227 * 1024:
             out.append((name, ov))
