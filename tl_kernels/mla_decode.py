@@ -642,6 +642,9 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
             if mx:
                 load_scale(st, b, slot, t, j, 0)
                 load_scale(st, b, slot, t, j, 1)
+        # Keep the compiler's scheduler from sinking these loads below the compute that follows (it would then wait
+        # for the previous tile with nothing else in flight).
+        T.evaluate(T.call_extern("handle", "__builtin_amdgcn_sched_barrier", 0))
 
     def mx_value(st, b, ch, j, e):
         """Element e of the lane's 16 mxfp4 dims as fp32 (as ``mxfp4_element``: exact)."""
