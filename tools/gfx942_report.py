@@ -111,7 +111,7 @@ def compile_hip(src: str, stem: Path, tc: dict) -> tuple[str | None, str, str]:
 
 
 def note(notes: str, key: str):
-    m = re.search(r"^\s+" + re.escape(key) + r":\s*(\S+)", notes, flags=re.M)
+    m = re.search(r"^\s+(?:- )?" + re.escape(key) + r":\s*(\S+)", notes, flags=re.M)
     return int(m.group(1)) if m and m.group(1).lstrip("-").isdigit() else None
 
 
