@@ -344,11 +344,18 @@ def test_dim_split_lane_maps(qk_k):
     p = np.exp(scores - scores.max())  # any per-head positive weights do: the check is where they go
     out = np.zeros((16, ds.KV_LORA_RANK))
     for wave in range(ds.DS_WAVES):
-        vt = kv[:, wave * 64:(wave + 1) * 64].T  # the wave's V^T region: [dim][token]
+        vt = np.full((64, 32), np.nan)  # the wave's V^T region in LDS, written as the kernel writes it
+        for lane in range(64):
+            m, g = lane % 16, lane // 16
+            for e in range(16):
+                for j in range(2):
+                    vt[16 * g + e, ds.ds_vt_col(16 * g + e, ds.ds_token(m, 0)) + j] = kv[ds.ds_token(m, j), wave * 64 + 16 * g + e]
+        assert not np.isnan(vt).any(), "V^T region not fully written"
         acc = np.zeros((4, 64, 4))
         for nt in range(4):
             for s in range(2):
-                v_op = np.array([[vt[nt * 16 + lane % 16, 8 * (lane // 16) + 4 * s + c] for c in range(4)] for lane in range(64)])
+                v_op = np.array([[vt[nt * 16 + lane % 16, ds.ds_vt_col(nt * 16 + lane % 16, 8 * (lane // 16)) + 4 * s + c]
+                                  for c in range(4)] for lane in range(64)])
                 p_op = np.array([[p[lane, ds.ds_p_score(s, c)] for c in range(4)] for lane in range(64)])
                 acc[nt] = _mfma(v_op, p_op, acc[nt], 16)
         for lane in range(64):
@@ -360,3 +367,19 @@ def test_dim_split_lane_maps(qk_k):
         for i in range(8):
             weights[lane % 16, ds.ds_score_token(lane // 16, i)] = p[lane, i]
     np.testing.assert_allclose(out, weights @ kv[:, : ds.KV_LORA_RANK], rtol=1e-9, atol=1e-9)
+
+
+def test_vt_swizzle_keeps_vectors_and_spreads_banks():
+    """ds_vt_col permutes each V^T row in whole 16-byte chunks (the 4-byte writes and 16-byte reads stay contiguous
+    and aligned), and the 16 lanes of one P V operand read (rows 16 nt + m, chunk g) cover all 32 LDS banks."""
+    for d in range(64):
+        cols = [ds.ds_vt_col(d, t) for t in range(32)]
+        assert sorted(cols) == list(range(32))
+        assert all(cols[8 * c + i] == cols[8 * c] + i and cols[8 * c] % 8 == 0 for c in range(4) for i in range(8))
+    for nt in range(4):
+        for g in range(4):
+            banks = set()
+            for m in range(16):
+                word = ((nt * 16 + m) * 32 + ds.ds_vt_col(nt * 16 + m, 8 * g)) * 2 // 4  # 4-byte bank words
+                banks.update((word + k) % 32 for k in range(4))
+            assert len(banks) == 32, (nt, g, sorted(banks))

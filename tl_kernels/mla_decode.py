@@ -65,6 +65,13 @@ def ds_p_score(s, c):
     return (c % 2) * 4 + 2 * s + c // 2
 
 
+def ds_vt_col(d, token):
+    """LDS column of (dim d, token) in a wave's V^T slice: the four 8-token (16-byte) chunks of row d are swizzled by
+    (d >> 1) & 3, so the P V operand reads (16 lanes: rows 16 nt + m, the same chunk g) spread over all 32 banks
+    instead of 8 of them (rows are 64 bytes: without it, lanes m and m + 2 hit the same banks)."""
+    return ((token // 8) ^ ((d // 2) % 4)) * 8 + token % 8
+
+
 def ds_out_dim(wave, nt, g, r):
     """Output dim of the lane's P V result element r of dim block nt: O^T rows 16 nt + 4g + r of the wave's 64."""
     return wave * DS_DIMS + nt * 16 + g * 4 + r
@@ -693,9 +700,9 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
         # V^T of the wave's latent dims, bf16, tokens contiguous: 2 tokens per 4-byte write.
         for e in T.unroll(16):
             for j in T.unroll(2):
-                st.v_pair[j] = st.k_op[j, e] if not raw_operand and not cfg.fp8_mfma else bf16_value(st, b, 0, j, e)
+                st.v_pair[j] = st.k_op[j, e] if not raw_operand else bf16_value(st, b, 0, j, e)
             for j in T.vectorized(2):
-                st.VT[st.wave, st.g * 16 + e, ds_token(st.m, 0) + j] = st.v_pair[j]
+                st.VT[st.wave, st.g * 16 + e, ds_vt_col(st.g * 16 + e, ds_token(st.m, 0)) + j] = st.v_pair[j]
         if st.wave == 0:
             qk_chunk(st, b, 1)
         for i in T.vectorized(DS_SCORES):
@@ -736,7 +743,7 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
         # Stage 5: O^T (dims, heads) += V^T P^T, 4 blocks of 16 dims, 2 k-steps of 16 tokens.
         for nt in T.unroll(4):
             for v in T.vectorized(8):
-                st.v_op[v] = st.VT[st.wave, nt * 16 + st.m, st.g * 8 + v]
+                st.v_op[v] = st.VT[st.wave, nt * 16 + st.m, ds_vt_col(nt * 16 + st.m, st.g * 8) + v]
             for s in T.unroll(2):
                 tvm_mfma("f32_16x16x16bf16_1k", "row", "row", "bfloat16x4", "bfloat16x4", "float32x4",
                          st.v_op.data, s, st.p_op.data, s, st.acc_o.data, nt, dtype="float32x4")
