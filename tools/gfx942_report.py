@@ -334,6 +334,16 @@ def main() -> int:
         return 0 if res["ok"] else 1
     from mla.target import spec_for_name
 
+    import tilelang
+
+    # The commit the variants are lowered from (read before lowering: later commits do not change this run).
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--", "mla",
+                            "tl_kernels", "tools/gfx942_report.py"], capture_output=True, text=True).stdout.strip()
+    clang = subprocess.run([tc["clang"], "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    meta = dict(commit=commit + ("+dirty" if dirty else ""), date=time.strftime("%Y-%m-%d %H:%M"), clang=clang,
+                tilelang=tilelang.__version__, set=args.set, only=args.only)
     spec = spec_for_name("gfx942")
     cfgs = [c for c in variants(args.set) if not args.only or re.search(args.only, c.name)]
     results = []
@@ -343,15 +353,6 @@ def main() -> int:
         results.append(r)
         print(f"[{i}/{len(cfgs)}] {r['name']}: " + (", ".join(f"{k}={r.get(k)}" for k in FIELDS[1:] + ("vmcnt0_between_loads",))
               if r.get("ok") else r.get("error", "failed")) + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
-    import tilelang
-
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    clang = subprocess.run([tc["clang"], "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    meta = dict(commit=commit + ("+dirty" if dirty else ""), date=time.strftime("%Y-%m-%d %H:%M"), clang=clang,
-                tilelang=tilelang.__version__, set=args.set, only=args.only)
     md = markdown(results, meta)
     print(md)
     misses = targets(results)
