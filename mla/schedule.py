@@ -9,7 +9,7 @@ import math
 from mla import constants
 from mla.target import TargetSpec
 from tl_kernels.mla_combine import CombineKernelConfig
-from tl_kernels.mla_decode import DecodeKernelConfig
+from tl_kernels.mla_decode import DIM_SPLIT_SHAPE, DecodeKernelConfig
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig
 
 MAX_SPLITS = 64
@@ -41,11 +41,10 @@ def decode_config(
 ) -> DecodeKernelConfig:
     """The decode kernel config for a target and a problem class (not a problem size). ``overrides``
     (DecodeKernelConfig fields) replace the defaults: for tuning sweeps."""
-    block_h = min(num_heads, max(16, 64 // q_tile))
     if spec.is_hip:
-        # 16 rows per workgroup: with 32+ rows the Q and KV tiles overflow 64 KiB of LDS, or TileLang 0.1.15 fails to
-        # lay out the MFMA accumulators. More heads take more head groups, more queries more passes.
-        block_h, q_tile = 16, 1
+        return _hip_decode_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
+                                  split=split, page_size=page_size, overrides=overrides)
+    block_h = min(num_heads, max(16, 64 // q_tile))
     block_m = block_h * q_tile
     # 128 threads for 16 rows (4 warps on Hopper, 2 wave64s on gfx942: each still owns a whole 16-wide MMA tile
     # of a 32-token KV tile); 256 for more rows, so a 64-row fp32 accumulator stays in registers (64 KiB over 256
@@ -86,6 +85,35 @@ def decode_config(
         if cfg.shared_bytes <= spec.smem_bytes:
             return cfg
     raise ValueError(f"no decode config fits {spec.smem_bytes} B of shared memory on {spec.name}")
+
+
+def _hip_decode_config(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, causal: bool, split: bool,
+                       page_size: int, overrides: dict) -> DecodeKernelConfig:
+    """gfx942: the wave-level ``dim_split`` program (tl_kernels/mla_decode.py): 16 heads x 1 query per workgroup (more
+    heads take more head groups, more queries more passes), 8 wave64s (512 threads) sharing one 32-token KV tile,
+    48 KiB of LDS, so one workgroup fills a CU with 8 waves (2 per SIMD; the block-level kernel reached 2 waves per
+    CU there, LDS-bound). Tiles are prefetched into registers one ahead (there is no async copy to LDS on gfx942
+    besides 4-byte buffer loads), so nothing is staged. a8w8 runs Q K^T on the fp8 MFMA."""
+    block_h, q_tile, block_n, threads = DIM_SPLIT_SHAPE
+    cfg = DecodeKernelConfig(
+        kv_format=kv_format,
+        q_format=q_format,
+        num_heads=num_heads,
+        block_h=block_h,
+        q_tile=q_tile,
+        block_n=block_n,
+        threads=threads,
+        causal=causal,
+        split=split,
+        page_size=page_size,
+        fp8_dtype=spec.fp8_tl_dtype,
+        dim_split=True,
+        fp8_mfma=kv_format == "fp8" and q_format != "bf16",
+    )
+    cfg = dataclasses.replace(cfg, **overrides)
+    if cfg.shared_bytes > spec.smem_bytes:
+        raise ValueError(f"no decode config fits {spec.smem_bytes} B of LDS on {spec.name}")
+    return cfg
 
 
 def query_tile(total_q: int, batch: int) -> int:

@@ -9,9 +9,16 @@ combine kernel) we check that:
   2. the dynamic LDS the compiler allocated (``dyn_shared_memory_buf``) fits gfx942's 64 KiB, and the
      ``DecodeKernelConfig.shared_bytes`` estimate the schedule sizes tiles with is within ``LDS_ESTIMATE_SLACK`` of it;
   3. fp8 kernels use the fnuz flavour (config, kernel signature, and for in-kernel Q quantization the fnuz range);
-  4. the source is HIP, with no CUDA-isms (wgmma, mma.sync, cp.async, ...).
+  4. the source is HIP, with no CUDA-isms (wgmma, mma.sync, cp.async, ...);
+  5. the occupancy and memory shape issue 12 asks for, as far as the source shows them: every decode workgroup is
+     8 wave64s with LDS for one workgroup per CU (8 waves per CU, 2 per SIMD); the KV cache is read only with whole-
+     vector loads (no element loads of KV or of the mxfp4 scales); the P V operands are read from LDS as 16-byte
+     vectors (no element reads); a8w8 runs Q K^T on the fp8 MFMA;
+  6. the lane maps of the wave-level gfx942 program compute attention (a NumPy model of its MFMA operand layouts).
 
-What this does NOT check: that the kernels compile with hipcc/ROCm, run, or are correct on an MI300X.
+What this does NOT check: that the kernels run, or are correct, on an MI300X. Registers, spills and the instruction
+mix of the compiled code objects come from ``tools/gfx942_report.py`` (a developer step: it needs clang-19 and ROCm
+headers, see docs/gfx942.md).
 
 Each variant is lowered once per session (``_lowered`` caches the outcome, failures included), ~2 s each (paged
 mxfp4 ~5 s) on a 2-core box: minutes for the full grid (~10 once every class has a config).
@@ -27,12 +34,14 @@ import os
 import re
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 
 from mla import jit, schedule
 from mla.decode import SUPPORTED_PAGE_SIZES
 from mla.target import spec_for_name
 from tl_kernels.mla_combine import CombineKernelConfig
+from tl_kernels import mla_decode as ds
 from tl_kernels.mla_decode import FP8_MAX, DecodeKernelConfig
 
 GFX942 = spec_for_name("gfx942")
@@ -233,3 +242,144 @@ def test_source_is_hip(cfg):
     assert "#include <hip/hip_runtime.h>" in src
     leaked = [token for token in CUDA_ISMS if token in src]
     assert not leaked, f"{cfg.name}: CUDA-isms in the HIP source: {leaked}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 12: occupancy, whole-vector loads, packed MFMA operands (what the HIP source shows; the code objects are
+# read by tools/gfx942_report.py).
+
+WAVE = 64
+MIN_WAVES_PER_CU = 8  # 2 per SIMD
+
+
+@_params(DECODE_VARIANTS)
+def test_eight_waves_per_cu(cfg):
+    """LDS and workgroup shape allow >= 8 resident waves per CU (registers: tools/gfx942_report.py)."""
+    result = lowered(cfg)
+    assert f"__launch_bounds__({cfg.threads})" in result.source
+    workgroups = LDS_LIMIT // max(result.lds_bytes, 1)
+    waves = workgroups * (cfg.threads // WAVE)
+    assert waves >= MIN_WAVES_PER_CU, (
+        f"{cfg.name}: {cfg.threads} threads and {result.lds_bytes} B of LDS give {waves} waves per CU"
+    )
+
+
+@_params(DECODE_VARIANTS)
+def test_kv_read_as_whole_vectors(cfg):
+    """The cache (and the mxfp4 scales) are read only through the 16 / 8 / 4-byte vector load helpers: no element
+    loads, which compile to one global load per byte or per bf16."""
+    src = lowered(cfg).source
+    for name in ("KV", "KV_scales"):
+        element_reads = [m.start() for m in re.finditer(rf"(?<![\w&(])\(?{name}\[", src)]
+        assert not element_reads, f"{cfg.name}: element reads of {name} at {element_reads[:3]}"
+    loads = re.findall(r"\bmla_ds_copy(16|8)\(\(&", src)  # the calls, not the helpers' definitions
+    assert loads and set(loads) == ({"8"} if cfg.kv_format == "mxfp4" else {"16"}), loads
+    if cfg.kv_format == "mxfp4":
+        assert "mla_ds_load_u32(" in src
+
+
+@_params(DECODE_VARIANTS)
+def test_mfma_operands_are_packed(cfg):
+    """P V reads V^T from LDS in 16-byte vectors and P from registers; no bf16 element reads of LDS feed an MFMA."""
+    src = lowered(cfg).source
+    assert not re.search(r"\(\(bfloat16_t\*\)\w+\)\[", src), f"{cfg.name}: bf16 element reads from LDS"
+    assert re.search(r"\*\(uint4\*\)\(v_op \+ 0\) = \*\(uint4\*\)\(\(\(bfloat16_t\*\)VT\)", src), "V^T not read as 16 B"
+
+
+@_params([cfg for cfg in DECODE_VARIANTS if cfg.q_format != "bf16"])
+def test_a8w8_uses_fp8_mfma(cfg):
+    src = lowered(cfg).source
+    assert cfg.fp8_mfma
+    assert "__builtin_amdgcn_mfma_f32_16x16x32_fp8_fp8" in src, f"{cfg.name}: Q K^T not on the fp8 MFMA"
+
+
+def _mfma(a, b, c, k):
+    """v_mfma_f32_16x16x{k}: per-lane operands a, b (64, k/4) and accumulator c (64, 4) in the documented layout:
+    A[i][kk] in lane i + 16 (kk // (k/4)), element kk % (k/4); B[kk][j] in lane j + 16 (kk // (k/4)); D[i][j] in
+    lane j + 16 (i // 4), element i % 4."""
+    per = k // 4
+    A = np.zeros((16, k))
+    B = np.zeros((k, 16))
+    for lane in range(64):
+        for e in range(per):
+            A[lane % 16, (lane // 16) * per + e] = a[lane, e]
+            B[(lane // 16) * per + e, lane % 16] = b[lane, e]
+    D = A @ B
+    out = c.copy()
+    for lane in range(64):
+        for r in range(4):
+            out[lane, r] += D[4 * (lane // 16) + r, lane % 16]
+    return out
+
+
+@pytest.mark.parametrize("qk_k", [16, 32], ids=["bf16_mfma", "fp8_mfma"])
+def test_dim_split_lane_maps(qk_k):
+    """One 32-token tile through the lane maps of ``_dim_split_body`` (ds_token, ds_dim, ds_score_token, ds_p_score,
+    ds_out_dim) and the MFMA layouts: the scores, P and the output land where the kernel reads and writes them."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((16, ds.QK_DIM))
+    kv = rng.standard_normal((32, ds.QK_DIM))
+    steps = 16 // (qk_k // 4)  # MFMA k-steps per 16-dim lane slice
+    per = qk_k // 4
+    partial = np.zeros((ds.DS_WAVES, 64, 8))
+    for wave in range(ds.DS_WAVES):
+        chunks = [wave * 64] + ([ds.KV_LORA_RANK] if wave == 0 else [])
+        for lo in chunks:
+            for j in range(2):
+                for a in range(steps):
+                    k_op = np.zeros((64, per))
+                    q_op = np.zeros((64, per))
+                    for lane in range(64):
+                        m, g = lane % 16, lane // 16
+                        dims = [ds.ds_dim(lo, g, a * per + e) for e in range(per)]
+                        k_op[lane] = kv[ds.ds_token(m, j), dims]
+                        q_op[lane] = q[m, dims]
+                    acc = partial[wave][:, 4 * j:4 * j + 4]
+                    partial[wave][:, 4 * j:4 * j + 4] = _mfma(k_op, q_op, acc, qk_k)
+    scores = partial.sum(axis=0)  # every wave's s_tot
+    ref_s = q @ kv.T
+    for lane in range(64):
+        for i in range(8):
+            assert np.isclose(scores[lane, i], ref_s[lane % 16, ds.ds_score_token(lane // 16, i)])
+    p = np.exp(scores - scores.max())  # any per-head positive weights do: the check is where they go
+    out = np.zeros((16, ds.KV_LORA_RANK))
+    for wave in range(ds.DS_WAVES):
+        vt = np.full((64, 32), np.nan)  # the wave's V^T region in LDS, written as the kernel writes it
+        for lane in range(64):
+            m, g = lane % 16, lane // 16
+            for e in range(16):
+                for j in range(2):
+                    vt[16 * g + e, ds.ds_vt_col(16 * g + e, ds.ds_token(m, 0)) + j] = kv[ds.ds_token(m, j), wave * 64 + 16 * g + e]
+        assert not np.isnan(vt).any(), "V^T region not fully written"
+        acc = np.zeros((4, 64, 4))
+        for nt in range(4):
+            for s in range(2):
+                v_op = np.array([[vt[nt * 16 + lane % 16, ds.ds_vt_col(nt * 16 + lane % 16, 8 * (lane // 16)) + 4 * s + c]
+                                  for c in range(4)] for lane in range(64)])
+                p_op = np.array([[p[lane, ds.ds_p_score(s, c)] for c in range(4)] for lane in range(64)])
+                acc[nt] = _mfma(v_op, p_op, acc[nt], 16)
+        for lane in range(64):
+            for nt in range(4):
+                for r in range(4):
+                    out[lane % 16, ds.ds_out_dim(wave, nt, lane // 16, r)] = acc[nt, lane, r]
+    weights = np.zeros((16, 32))
+    for lane in range(64):
+        for i in range(8):
+            weights[lane % 16, ds.ds_score_token(lane // 16, i)] = p[lane, i]
+    np.testing.assert_allclose(out, weights @ kv[:, : ds.KV_LORA_RANK], rtol=1e-9, atol=1e-9)
+
+
+def test_vt_swizzle_keeps_vectors_and_spreads_banks():
+    """ds_vt_col permutes each V^T row in whole 16-byte chunks (the 4-byte writes and 16-byte reads stay contiguous
+    and aligned), and the 16 lanes of one P V operand read (rows 16 nt + m, chunk g) cover all 32 LDS banks."""
+    for d in range(64):
+        cols = [ds.ds_vt_col(d, t) for t in range(32)]
+        assert sorted(cols) == list(range(32))
+        assert all(cols[8 * c + i] == cols[8 * c] + i and cols[8 * c] % 8 == 0 for c in range(4) for i in range(8))
+    for nt in range(4):
+        for g in range(4):
+            banks = set()
+            for m in range(16):
+                word = ((nt * 16 + m) * 32 + ds.ds_vt_col(nt * 16 + m, 8 * g)) * 2 // 4  # 4-byte bank words
+                banks.update((word + k) % 32 for k in range(4))
+            assert len(banks) == 32, (nt, g, sorted(banks))
