@@ -232,7 +232,10 @@ def plan(
 
 def _plan_device(device, *tensors) -> torch.device:
     if device is not None:
-        return torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current device: name it, so it
+            device = torch.device("cuda", torch.cuda.current_device())  # compares equal to tensors' "cuda:N"
+        return device
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             return t.device

@@ -215,7 +215,7 @@ def kernel_configs(spec, classes):
     configs = []
     for mode, heads, q_tile, causal, page_size in sorted(set(classes)):
         kv_format, q_format = MODE_FORMATS[mode]
-        if schedule.uses_ws(spec, num_heads=heads, q_tile=q_tile):  # one fused kernel serves every split count
+        if schedule.WS_BY_DEFAULT and schedule.uses_ws(spec, num_heads=heads, q_tile=q_tile):  # one fused kernel
             configs.append(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
                                               causal=causal, page_size=page_size))
             continue

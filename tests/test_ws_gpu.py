@@ -25,6 +25,7 @@ pytestmark = requires_gpu
 RING_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 1000, 0, 2049]
 SPLITS = [1, 2, 3, 7, 64]
 TAIL = 5  # poisoned cache rows past the last sequence
+WS = {"ws": True}  # the family is opt-in (mla/schedule.py, WS_BY_DEFAULT)
 
 
 def poison_tail(data):
@@ -45,10 +46,10 @@ def run(data, mode, **kwargs):
     lse = poisoned((q.shape[0], q.shape[1]), torch.float32)
     q_format = "fp8" if mode == "a8w8" else "bf16"
     return mla_decode(q, cache, qo_indptr, kv_indptr, q_format=q_format, out=out, lse=lse, return_lse=True,
-                      **extra, **kwargs)
+                      config_overrides=WS, **extra, **kwargs)
 
 
-@launches(lambda mode, **_: [(mode, 16, 1, False)])
+@launches(lambda mode, **_: [])
 @pytest.mark.parametrize("num_splits", SPLITS)
 @pytest.mark.parametrize("mode", MODES)
 def test_ring_boundaries_and_split_counts(mode, num_splits):
@@ -61,7 +62,7 @@ def test_ring_boundaries_and_split_counts(mode, num_splits):
                                 context=f"num_splits={splits} (call {call + 1})")
 
 
-@launches(lambda mode, **_: [(mode, 16, 1, False)])
+@launches(lambda mode, **_: [])
 @pytest.mark.parametrize("mode", MODES)
 def test_one_token_splits_and_single_sequences(mode):
     """A split holding one token (65 = 64 + 1 over 2 splits), batch 1, and the default split count."""
@@ -73,7 +74,7 @@ def test_one_token_splits_and_single_sequences(mode):
                                 context=f"kv_lens={kv_lens[:4]} num_splits={splits}")
 
 
-@launches(lambda mode, **_: [(mode, 16, 1, True)])
+@launches(lambda mode, **_: [])
 @pytest.mark.parametrize("mode", MODES)
 def test_query_passes_causal(mode):
     """Several queries in one sequence take several passes over the ring (causal: each its own horizon); the mean
@@ -86,7 +87,7 @@ def test_query_passes_causal(mode):
                                 context=f"causal num_splits={splits}")
 
 
-@launches(lambda mode, page_size, **_: [(mode, 16, 1, False, page_size)])
+@launches(lambda mode, page_size, **_: [])  # opt-in kernels build on first use
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("mode", MODES)
 def test_paged_ring(mode, page_size):
@@ -100,6 +101,6 @@ def test_paged_ring(mode, page_size):
         out = poisoned((q.shape[0], 16, 512), torch.bfloat16)
         lse = poisoned((q.shape[0], 16), torch.float32)
         mla_decode(q, cache, qo_indptr, kv_indptr, q_format="fp8" if mode == "a8w8" else "bf16", page_table=page_table,
-                   num_splits=splits, out=out, lse=lse, **extra)
+                   num_splits=splits, out=out, lse=lse, config_overrides=WS, **extra)
         check_against_reference(out, ref_out, mode, qo_indptr, kv_indptr, lse=lse, ref_lse=ref_lse,
                                 context=f"page_size={page_size} num_splits={splits}")

@@ -97,7 +97,7 @@ def check(spec, args) -> list[dict]:
                     for rep in range(2):  # twice: the semaphores must be back at zero
                         run_ws(ov, data, mode, splits, out, lse, causal=causal)
                     torch.cuda.synchronize()
-                    sem = workspace.semaphores(torch.device("cuda"), len(kv_lens))
+                    sem = workspace.semaphores(torch.device("cuda", torch.cuda.current_device()), len(kv_lens))
                     o, r = out.float(), ref_out.float()
                     err = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
                     finite = bool(torch.isfinite(o).all())
