@@ -33,15 +33,12 @@ VARIANTS = {  # name -> config overrides
     "st2": dict(num_stages=2),
     "st3": dict(num_stages=3),
     "st3-f16": dict(num_stages=3, mma_dtype="float16"),
-    "st3-elem": dict(num_stages=3, mxfp4_chunks=False),  # mxfp4 only: TileLang's element-wise decode
 }
 
 
-def ws_config(spec, mode: str, *, num_heads=16, causal=False, page_size=0, **overrides) -> WSDecodeKernelConfig:
+def ws_config(spec, mode: str, *, causal=False, **overrides) -> WSDecodeKernelConfig:
     kv_format, q_format = MODES[mode]
-    cfg = WSDecodeKernelConfig(kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
-                               page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, **overrides)
-    return cfg
+    return schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, causal=causal, **overrides)
 
 
 def variants_for(mode: str):
@@ -50,8 +47,6 @@ def variants_for(mode: str):
         try:
             cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], **ov)
         except ValueError:  # e.g. fp16 operands for a non-fp8 cache
-            continue
-        if "mxfp4_chunks" in ov and cfg.kv_format != "mxfp4":
             continue
         if cfg.shared_bytes <= 227 * 1024:
             out.append((name, ov))
