@@ -22,12 +22,11 @@ COMBINE_TILES_PER_SPLIT = 0.1  # the combine reads every split's partial output:
 # launch, only the reading. Tuned on the H200 (docs/perf.md, run 14).
 WS_COMBINE_OVERHEAD_TILES = 0.5
 WS_COMBINE_TILES_PER_SPLIT = 0.25
-# Depth of the warp-specialised kernel's raw-tile ring per KV format: as deep as shared memory allows, one CTA per SM
-# (docs/perf.md, run 14).
-WS_STAGES = {"bf16": 2, "fp8": 3, "mxfp4": 3}
-# The warp-specialised family is opt-in (``config_overrides={"ws": True}``): on the H200 (docs/perf.md, run 14) it
-# is not yet faster than the 16-row kernel for fp8 / mxfp4, and its correctness suite has not run on the GPU.
-WS_BY_DEFAULT = False
+# Depth of the warp-specialised kernel's 16-bit ring: two 72 KiB stages, one CTA per SM (a third stage never helped
+# bf16, docs/perf.md run 14; the fp8 / mxfp4 decoders hold exactly two tiles in registers).
+WS_STAGES = 2
+# The warp-specialised family serves the 16-row class on Hopper (decoders that issue no MMA: docs/perf.md, run 15).
+WS_BY_DEFAULT = True
 
 
 def decode_config(
@@ -149,7 +148,7 @@ def ws_config(
 ) -> WSDecodeKernelConfig:
     """The warp-specialised kernel's config for a problem class; ``overrides`` replace the defaults (tuning)."""
     cfg = WSDecodeKernelConfig(
-        kv_format=kv_format, q_format=q_format, num_heads=num_heads, num_stages=WS_STAGES[kv_format], causal=causal,
+        kv_format=kv_format, q_format=q_format, num_heads=num_heads, num_stages=WS_STAGES, causal=causal,
         page_size=page_size, fp8_dtype=spec.fp8_tl_dtype,
     )
     cfg = dataclasses.replace(cfg, **overrides)

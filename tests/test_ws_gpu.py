@@ -2,8 +2,7 @@
 schedule and its fused merge of the splits, checked against the fp32 reference.
 
 The ring walks ``ceil(tiles / stages)`` rounds of all stages, so the lengths below straddle every boundary: 0 and 1
-token, one token short of / past a 64-token tile, tile counts that are and are not multiples of the ring depth (2
-for bf16, 3 for fp8 / mxfp4). The split counts reach past the tile count (empty splits, which must count in the
+token, one token short of / past a 64-token tile, tile counts that are and are not multiples of the ring depth (2). The split counts reach past the tile count (empty splits, which must count in the
 merge), and make one-token splits (a sequence of 65 tokens over 2 splits). Each call runs twice on the same
 buffers: the kernel leaves its semaphores at zero, so a second call (with another split count too) must be right.
 Rows past the last sequence hold NaN (a read of them shows), outputs start as NaN (an unwritten element shows).
@@ -25,7 +24,7 @@ pytestmark = requires_gpu
 RING_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 1000, 0, 2049]
 SPLITS = [1, 2, 3, 7, 64]
 TAIL = 5  # poisoned cache rows past the last sequence
-WS = {"ws": True}  # the family is opt-in (mla/schedule.py, WS_BY_DEFAULT)
+WS = {"ws": True}  # this family, whatever the schedule picks by default
 
 
 def poison_tail(data):
@@ -44,12 +43,11 @@ def run(data, mode, **kwargs):
     cache, extra = harness_cache(kv_data, mode)
     out = poisoned((q.shape[0], q.shape[1], 512), torch.bfloat16)
     lse = poisoned((q.shape[0], q.shape[1]), torch.float32)
-    q_format = "fp8" if mode == "a8w8" else "bf16"
-    return mla_decode(q, cache, qo_indptr, kv_indptr, q_format=q_format, out=out, lse=lse, return_lse=True,
-                      config_overrides=WS, **extra, **kwargs)
+    return mla_decode(q, cache, qo_indptr, kv_indptr, out=out, lse=lse, return_lse=True, config_overrides=WS,
+                      **extra, **kwargs)
 
 
-@launches(lambda mode, **_: [])
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
 @pytest.mark.parametrize("num_splits", SPLITS)
 @pytest.mark.parametrize("mode", MODES)
 def test_ring_boundaries_and_split_counts(mode, num_splits):
@@ -62,7 +60,7 @@ def test_ring_boundaries_and_split_counts(mode, num_splits):
                                 context=f"num_splits={splits} (call {call + 1})")
 
 
-@launches(lambda mode, **_: [])
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
 @pytest.mark.parametrize("mode", MODES)
 def test_one_token_splits_and_single_sequences(mode):
     """A split holding one token (65 = 64 + 1 over 2 splits), batch 1, and the default split count."""
@@ -74,7 +72,7 @@ def test_one_token_splits_and_single_sequences(mode):
                                 context=f"kv_lens={kv_lens[:4]} num_splits={splits}")
 
 
-@launches(lambda mode, **_: [])
+@launches(lambda mode, **_: [(mode, 16, 1, True)])
 @pytest.mark.parametrize("mode", MODES)
 def test_query_passes_causal(mode):
     """Several queries in one sequence take several passes over the ring (causal: each its own horizon); the mean
@@ -87,7 +85,7 @@ def test_query_passes_causal(mode):
                                 context=f"causal num_splits={splits}")
 
 
-@launches(lambda mode, page_size, **_: [])  # opt-in kernels build on first use
+@launches(lambda mode, page_size, **_: [(mode, 16, 1, False, page_size)])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("mode", MODES)
 def test_paged_ring(mode, page_size):
@@ -100,7 +98,7 @@ def test_paged_ring(mode, page_size):
     for splits in (1, 3):
         out = poisoned((q.shape[0], 16, 512), torch.bfloat16)
         lse = poisoned((q.shape[0], 16), torch.float32)
-        mla_decode(q, cache, qo_indptr, kv_indptr, q_format="fp8" if mode == "a8w8" else "bf16", page_table=page_table,
-                   num_splits=splits, out=out, lse=lse, config_overrides=WS, **extra)
+        mla_decode(q, cache, qo_indptr, kv_indptr, page_table=page_table, num_splits=splits, out=out, lse=lse,
+                   config_overrides=WS, **extra)
         check_against_reference(out, ref_out, mode, qo_indptr, kv_indptr, lse=lse, ref_lse=ref_lse,
                                 context=f"page_size={page_size} num_splits={splits}")

@@ -1,9 +1,11 @@
 """The warp-specialised Hopper kernel's structure, read from its generated CUDA (CPU only: lowering needs no GPU).
 
-What the design promises and a silent TileLang change could take away: the producer's copies are cp.async that
-complete on an mbarrier (no cp.async wait anywhere: a wait would serialise the ring again), the roles get their
-own register budgets (setmaxnreg), the GEMMs are wgmma, the cache is read in its compressed type, and the split
-merge is fused (an atomic counter, no second kernel). Also the schedule's choices for the family.
+What the design promises and a silent TileLang change could take away: a bf16 cache is copied by cp.async that
+completes on an mbarrier (no cp.async wait anywhere: a wait would serialise the ring again); an fp8 / mxfp4 cache
+is decoded by the bit-placement device functions (no conversion instruction, no TileLang cast) in warp groups that
+issue no MMA, with no barrier among them inside a tile; the roles get their own register budgets (setmaxnreg); the
+GEMMs are wgmma; the cache is read in its compressed type; the split merge is fused (an atomic counter, no second
+kernel); the shared memory the schedule counts bounds what TileLang allocates. Also the schedule's choices.
 """
 
 import pytest
@@ -25,17 +27,41 @@ def source(request):
     return cfg, jit.lower(cfg, H200).kernel_source
 
 
-def test_producer_copies_are_async_and_never_waited_on(source):
+def producer_code(src: str) -> str:
+    """The producer warp groups' branch of the kernel (after the consumer's ``if (threadIdx.x < 128)``)."""
+    return src[src.index("warpgroup_reg_dealloc"):]
+
+
+def test_bf16_copies_are_async_and_never_waited_on(source):
     cfg, src = source
+    if cfg.kv_format != "bf16":
+        pytest.skip("fp8 / mxfp4 tiles are decoded, not copied")
     assert "cp_async_gs" in src, f"{cfg.name}: the producer's copies are not cp.async"
     assert "mbarrier_cp_async_arrive_noinc" in src, f"{cfg.name}: cp.async does not complete on the ring's mbarrier"
     assert "cp_async_wait" not in src, f"{cfg.name}: a cp.async wait serialises the ring"
 
 
+def test_compressed_tiles_are_decoded_by_bit_placement_outside_the_mma_warps(source):
+    cfg, src = source
+    if cfg.kv_format == "bf16":
+        pytest.skip("a bf16 cache needs no decode")
+    decode = {"fp8": "mla_fp8x16_to_bf16", "mxfp4": "mla_e2m1x16_to_bf16"}[cfg.kv_format]
+    consumer, producers = src[: src.index("warpgroup_reg_dealloc")], producer_code(src)
+    assert decode + "((" in producers and decode + "((" not in consumer, "the decode belongs to the producers"
+    assert "__tl_cvt" not in src and "cvt." not in producers, f"{cfg.name}: a conversion instruction in the decode"
+    assert "wgmma" not in producers, "the decoders must not issue MMAs"
+    # one 16-byte (fp8) / 8-byte (mxfp4) vector load per 16 codes, nine per thread and tile (plus the prologue's)
+    load = "mla_ld_global_16((" if cfg.kv_format == "fp8" else "mla_ld_global_8(("
+    assert producers.count(load) == 2 * 9, f"{cfg.name}: expected 9 vector loads per tile and 9 in the prologue"
+    assert "sync_thread" not in producers and "__syncthreads" not in producers, (
+        f"{cfg.name}: a barrier among the decoders serialises them")
+
+
 def test_roles_have_their_own_register_budgets(source):
     cfg, src = source
     assert f"warpgroup_reg_alloc<{cfg.consumer_regs}>" in src and f"warpgroup_reg_dealloc<{cfg.producer_regs}>" in src
-    assert "__launch_bounds__(256, 1)" in src, "setmaxnreg needs a register cap at entry"
+    assert cfg.consumer_regs + cfg.producer_groups * cfg.producer_regs <= 512, "64 Ki registers per SM"
+    assert f"__launch_bounds__({cfg.threads}, 1)" in src, "setmaxnreg needs a register cap at entry"
 
 
 def test_gemms_are_wgmma_with_the_kv_tile_as_m(source):
@@ -54,9 +80,16 @@ def test_split_merge_is_fused(source):
     assert "AtomicAddRet" in src and "__threadfence" in src, f"{cfg.name}: no fused merge of the splits"
 
 
+def test_shared_bytes_bound_the_lowered_allocation(source):
+    """The schedule sizes occupancy and checks the limit with ``shared_bytes``: it must not undercount."""
+    cfg, _ = source
+    lowered = jit.lowered_lds_bytes(jit.lower(cfg, H200))
+    assert lowered <= cfg.shared_bytes <= H200.smem_bytes, (cfg.name, lowered, cfg.shared_bytes)
+
+
 def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
-    """Opt-in (``ws=True``) while it is slower than the 16-row kernel; then only where it can run."""
-    common = dict(q_format="bf16", causal=False, page_size=0, total_kv=1 << 16, ws=True)
+    """The default for 16 heads x 1 query on sm_90a; the 32/64-row kernel elsewhere, and always on gfx942."""
+    common = dict(q_format="bf16", causal=False, page_size=0, total_kv=1 << 16)
     cfg, combine, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, **common)
     assert isinstance(cfg, WSDecodeKernelConfig) and combine is None
     for heads, total_q in ((32, 8), (16, 16)):  # more heads, or two queries per sequence: the 32/64-row kernel
@@ -72,6 +105,11 @@ def test_ring_fits_one_cta_per_sm(kv_format):
     cfg = schedule.ws_config(H200, kv_format=kv_format)
     assert cfg.shared_bytes <= H200.smem_bytes and schedule.ctas_per_sm(H200, cfg) == 1
     assert cfg.num_stages >= 2
+
+
+def test_decoders_take_two_stages_only():
+    with pytest.raises(ValueError, match="num_stages == 2"):
+        WSDecodeKernelConfig(kv_format="fp8", num_stages=3)
 
 
 @pytest.mark.parametrize("batch,kv_len", [(4, 1024), (4, 8192), (64, 8192), (256, 8192), (1, 100), (300, 64)])

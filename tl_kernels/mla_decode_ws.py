@@ -1,33 +1,40 @@
 """Warp-specialised split-KV MLA decode for Hopper (sm_90a), with the split combine fused in: one launch per call.
 
-Each CTA owns one (KV split, sequence, head group) and runs two warp-group roles over a ring of ``num_stages``
-shared-memory stages (mbarrier pairs "ready" / "free" per stage; the trip count varies per CTA, so the ring is a
-plain serial loop over barrier parities, not ``T.Pipelined``):
+Each CTA owns one (KV split, sequence, head group). Its warp groups stream the split's KV tiles through a ring of
+``num_stages`` shared-memory stages that always hold 16-bit MMA operands (bf16), whatever the cache format, so
+the MMA warp group never decodes (mbarrier pair "ready" / "free" per stage; the trip count varies per CTA, so the
+ring is a plain serial loop over barrier parities, not ``T.Pipelined``):
 
-  producer (one warp group, few registers)
-    streams each KV tile's raw bytes, in the cache's own format (bf16 rows, fp8 codes, or mxfp4 nibbles), into
-    the next free stage with cp.async, completing on the stage's "ready" barrier; mxfp4 scale bytes go through
-    registers (their rows have any stride, so no aligned async copy), loaded before the producer waits for the
-    stage, so their latency hides behind the wait.
-  consumer (one warp group, most registers)
-    1. Q rows of the current query pass, once, into shared memory (a8w8: rounded to fp8 here);
-    2. per tile: fp8 / mxfp4 are dequantized from the stage into a bf16 tile (then the stage is released at once,
-       so the producer refills it while the MMAs run); a bf16 stage is the MMA operand itself;
-    3. S^T = K Q^T on wgmma with the 64 KV rows as M (16 query rows need no padding to 64);
-    4. online softmax in base 2 (log2(e) folded into the score scale; fp8 per-tensor scales too);
-    5. O^T += V^T P^T (V = the first 512 dims of the same tile);
-    6. one split: normalise and write bf16 out + natural-log LSE. Several splits: write the fp32 partial and its
+  producers (few registers), by cache format
+    bf16: one warp group copies each tile's rows into the next free stage with cp.async, completing on the
+          stage's "ready" barrier (``copy_tiles``).
+    fp8 / mxfp4: two warp groups load each tile's codes from global memory into registers (whole vectors, one
+          tile ahead of the one they decode, so a tile's loads are in flight while the previous one is decoded
+          and stored), decode them by bit placement (``tl_kernels.dequant``: no conversion instruction) and store
+          bf16 into the stage, then fence the async proxy and arrive on "ready" (``decode_tiles``).
+  consumer (one warp group, most registers; ``consume_tiles``)
+    1. Q rows of the current query pass, once, into shared memory (a8w8: rounded to fp8 values here);
+    2. per tile: S^T = K Q^T on wgmma with the 64 KV rows as M (16 query rows need no padding to 64);
+    3. online softmax in base 2 (log2(e), fp8 per-tensor scales and the decode's 2^120 folded into one score
+       scale);
+    4. O^T += V^T P^T (V = the first 512 dims of the same tile), then the stage is released;
+    5. one split: normalise and write bf16 out + natural-log LSE. Several splits: write the fp32 partial and its
        base-2 LSE, count the split in a per-(sequence, head group) semaphore, and the CTA that arrives last merges
        every split's partial by LSE into the output and resets the semaphore to 0 for the next call.
+
+``mla_decode_stream_kernel`` builds the same producers with a consumer that does no MMA (it only releases each
+stage, or copies it out to check the decode): the decode benchmark (tools/decode_bench.py) of exactly these roles.
 
 Only what changes the generated code is static (``WSDecodeKernelConfig``); batch, lengths, token counts and the
 number of splits are dynamic (the split count is a kernel argument), so a new shape never recompiles.
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tilelang.language as T
 
+from tl_kernels import dequant
 from tl_kernels.mla_decode import (
     AMAX_FLOOR,
     FP8_MAX,
@@ -35,16 +42,22 @@ from tl_kernels.mla_decode import (
     KV_LORA_RANK,
     LOG2E,
     MXFP4_BLOCK,
-    MXFP4_SCALES_PER_TOKEN,
     Q_FORMATS,
     QK_DIM,
     ROPE_DIM,
 )
 
 LN2 = 0.6931471805599453  # ln(2): base-2 LSE -> natural log
-E2M1_OFFSET = 16384.0  # 2^14: mxfp4 tiles hold value * 2^-14 (see e2m1), folded back into the score/output scales
-CONSUMER_THREADS = 128  # one warp group
-PRODUCER_THREADS = 128  # one warp group (setmaxnreg works per warp group)
+WARP_GROUP = 128  # threads of one warp group (setmaxnreg and wgmma work per warp group)
+CONSUMER_THREADS = WARP_GROUP
+REGS_PER_LANE = 512  # 64 Ki registers per SM over the 128 lanes of one warp group slot: the roles' budgets sum to it
+DECODER_GROUPS = 2  # fp8 / mxfp4 producer warp groups (decode spread over 8 warps that issue no MMA)
+# A decoder thread's share of a 64-token tile: 9 chunks of 16 codes. Lane (r8, c4) = (lane % 8, lane // 8) of warp
+# w takes latent chunk j < 8 at tile row 8j + r8, dims 64w + 16 c4 (a warp covers one 64-dim panel of 8 rows: its
+# stores hit 32 distinct bank groups of the swizzled panel, its loads whole 32-byte sectors), and the rope chunk at
+# row 8w + r8, dims 512 + 16 c4.
+LATENT_CHUNKS = 8
+CHUNKS_PER_THREAD = LATENT_CHUNKS + 1
 
 
 @dataclass(frozen=True)
@@ -56,13 +69,11 @@ class WSDecodeKernelConfig:
     num_heads: int = 16
     block_h: int = 16  # heads per CTA: the wgmma N dimension (16 query rows)
     block_n: int = 64  # KV tokens per tile: the wgmma M dimension
-    num_stages: int = 2  # depth of the raw-tile ring
+    num_stages: int = 2  # depth of the 16-bit ring
     causal: bool = False
     page_size: int = 0  # 0: flat cache; else tokens per page (Page_table argument)
     fp8_dtype: str = "float8_e4m3fn"
-    mma_dtype: str = "bfloat16"  # MMA operand type; "float16" for an fp8 cache (see ``mla_decode_ws_kernel``)
-    consumer_regs: int = 240  # setmaxnreg per role (the two must fit 64K registers over 256 threads)
-    producer_regs: int = 96
+    consumer_regs: int = 240  # setmaxnreg of the MMA warp group; the producers get the rest (``producer_regs``)
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -76,16 +87,27 @@ class WSDecodeKernelConfig:
             raise ValueError(f"block_h={self.block_h} must divide num_heads={self.num_heads}")
         if self.block_h != 16 or self.block_n != 64:
             raise ValueError("the warp-specialised kernel is built for 16 query rows x 64-token tiles")
-        if self.mma_dtype not in ("bfloat16", "float16") or (self.mma_dtype == "float16" and self.kv_format != "fp8"):
-            raise ValueError(f"mma_dtype {self.mma_dtype!r}: bfloat16, or float16 for an fp8 cache")
+        if self.kv_format != "bf16" and self.num_stages != 2:
+            raise ValueError("the decoders keep two tiles in registers: fp8 / mxfp4 need num_stages == 2")
 
     @property
     def block_m(self) -> int:
         return self.block_h
 
     @property
+    def producer_groups(self) -> int:
+        return 1 if self.kv_format == "bf16" else DECODER_GROUPS
+
+    @property
     def threads(self) -> int:
-        return CONSUMER_THREADS + PRODUCER_THREADS
+        return CONSUMER_THREADS + WARP_GROUP * self.producer_groups
+
+    @property
+    def producer_regs(self) -> int:
+        """setmaxnreg of each producer warp group: a copier needs few, decoders the registers the consumer leaves."""
+        if self.kv_format == "bf16":
+            return 96
+        return (REGS_PER_LANE - self.consumer_regs) // self.producer_groups // 8 * 8
 
     @property
     def raw_cols(self) -> int:
@@ -94,28 +116,24 @@ class WSDecodeKernelConfig:
 
     @property
     def shared_bytes(self) -> int:
-        """Shared memory the kernel allocates, in bytes (barriers and reduction scratch approximated)."""
-        elem = 2 if self.kv_format == "bf16" else 1
-        stage = self.block_n * self.raw_cols * elem
-        if self.kv_format == "mxfp4":
-            stage += self.block_n * MXFP4_SCALES_PER_TOKEN
-        bf16_tile = 0 if self.kv_format == "bf16" else 2 * QK_DIM * self.block_n
-        q = 2 * QK_DIM * self.block_m
-        p = 2 * self.block_m * self.block_n
-        return self.num_stages * stage + bf16_tile + q + p + 2 * 1024
+        """Shared memory the kernel needs, in bytes: an upper bound of TileLang's allocation (the ring, Q, P, the
+        barriers and the reductions' scratch, each rounded up to 1 KiB); tests/test_ws_structure.py checks it against
+        the lowered kernel's ``dyn_shared_memory_buf``."""
+        kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
+        ring = self.num_stages * kib(2 * self.block_n * QK_DIM)
+        return ring + kib(2 * QK_DIM * self.block_m) + kib(2 * self.block_m * self.block_n) + 4 * 1024
 
     @property
     def name(self) -> str:
         fp8 = "fnuz" if self.fp8_dtype.endswith("fnuz") else "fn"
         return (
             f"mla_decode_ws_kv{self.kv_format}_q{self.q_format}_h{self.num_heads}_bh{self.block_h}"
-            f"_bn{self.block_n}_st{self.num_stages}_r{self.consumer_regs}-{self.producer_regs}"
-            f"{'_f16' if self.mma_dtype == 'float16' else ''}"
+            f"_bn{self.block_n}_st{self.num_stages}_r{self.consumer_regs}-{self.producer_regs}x{self.producer_groups}"
             f"{'_causal' if self.causal else ''}{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
         )
 
 
-def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
+def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     """Returns the prim_func of the warp-specialised decode kernel for ``cfg``.
 
     Arguments (shapes in elements; dynamic dims symbolic):
@@ -136,6 +154,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
       Semaphores    (sem_len,) int32      >= batch * num_heads / block_h entries, zero before the call; left zero
       Out           (total_q, num_heads, 512) bf16
       LSE           (total_q, num_heads) fp32, natural log; -inf (and Out 0) where no KV token is visible
+
+    ``stream`` ("bench" or "check") returns ``mla_decode_stream_kernel``'s program instead.
     """
     heads, block_h, block_n, block_m = cfg.num_heads, cfg.block_h, cfg.block_n, cfg.block_m
     head_groups = heads // block_h
@@ -145,19 +165,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
     q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
     fp8_max = FP8_MAX[cfg.fp8_dtype]
     bf16, f32 = "bfloat16", "float32"
-    mma = cfg.mma_dtype  # operand type of both GEMMs (Q, K/V tile, P)
-    # fp16 operands (fp8 cache): e4m3 -> fp16 is exact and one instruction per pair (bf16 takes three), P and
-    # Q keep 3 more mantissa bits. Q is scaled by 2^-Q_F16_SHIFT first so any bf16 |q| below 2^23 fits fp16's
-    # range; the factor returns in the score scale. (Elements under 2^-6 then lose relative precision, with an
-    # absolute error below 2^-16: nothing next to the O(1) terms of a 576-long dot product.)
-    q_shift = 2.0 ** -8 if mma == "float16" and cfg.q_format == "bf16" else 1.0
-    converts = cfg.kv_format != "bf16"
-    # The producer's cp.async arrives on "ready" once per thread; mxfp4 scale stores add one plain arrive each.
-    ready_count = PRODUCER_THREADS * (2 if cfg.kv_format == "mxfp4" else 1)
-    scale_bytes = block_n * MXFP4_SCALES_PER_TOKEN
-    scales_per_thread = -(-scale_bytes // PRODUCER_THREADS)
-    # Producer copy plan: 16-byte chunks of each raw row, spread evenly over the producer threads.
-    chunk_elems = 16 // (2 if cfg.kv_format == "bf16" else 1)
+    decodes = cfg.kv_format != "bf16"
+    mxfp4 = cfg.kv_format == "mxfp4"
+    producer_threads = WARP_GROUP * cfg.producer_groups
+    # "ready" completes when every producer thread arrived: cp.async arrivals (bf16), plain arrivals (decoders).
+    ready_count = producer_threads
+    # fp8 tiles hold code * 2^-120 (tl_kernels.dequant): the factor returns in the score and output scales.
+    decode_factor = dequant.FP8_BF16_FACTOR if cfg.kv_format == "fp8" else 1.0
+    chunk_words = dequant.MXFP4_CHUNK_WORDS if mxfp4 else dequant.FP8_CHUNK_WORDS
 
     total_q = T.dynamic("total_q")
     cache_rows = T.dynamic("cache_rows")
@@ -168,313 +183,326 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
     sem_len = T.dynamic("sem_len")
     batch, max_pages = T.dynamic("batch, max_pages")
 
-    def cache_row(Page_table, seq_id, kv_begin, pos, cache_rows):
-        """Cache row of token ``pos`` of sequence ``seq_id``, clamped into the cache: offsets and page numbers are
+    def cache_row(k, pos):
+        """Cache row of token ``pos`` of the CTA's sequence, clamped into the cache: offsets and page numbers are
         only checked on request (a host copy), so a bad one reads a wrong row, never outside the cache (and the
         clamp lets the compiler drop per-element bounds checks, which would block cp.async)."""
         if cfg.page_size:
-            row = Page_table[seq_id, pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
+            row = k.Page_table[k.seq_id, pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
         else:
-            row = kv_begin + pos
+            row = k.kv_begin + pos
         return T.min(T.max(row, 0), cache_rows - 1)
+
+    def tile_pos(k, tile_lo, i):
+        """Sequence position of row i of the tile starting at ``tile_lo``: rows past the split end repeat its last
+        token (finite data, whose scores are masked)."""
+        return T.min(tile_lo + i, k.split_hi - 1)
 
     def partial_index(split, qi, hg, d, r):
         """Element (dim d, row r) of a split's fp32 partial output: [split, query, head group, dim, row], the order
         of the accumulator's fragments, so each thread writes and reads back contiguous pairs of rows."""
         return (((split * total_q + qi) * head_groups + hg) * KV_LORA_RANK + d) * block_m + r
 
-    def q_value(Q, q_begin, q_len, q_scale, qi, h, d):
-        """Q[query qi, head h, dim d] as the MMA type (0 past the sequence's queries), times ``q_shift``; a8w8
-        rounds it to fp8 exactly as torch's per-tensor quantizer does: bf16(q / scale), clamped, to e4m3."""
-        value = Q[q_begin + T.min(qi, q_len - 1), h, d]
+    def q_value(k, q_scale, qi, h, d):
+        """Q[query qi, head h, dim d] as bf16 (0 past the sequence's queries); a8w8 rounds it to fp8 exactly as
+        torch's per-tensor quantizer does: bf16(q / scale), clamped, to e4m3."""
+        value = k.Q[k.q_begin + T.min(qi, k.q_len - 1), h, d]
         if cfg.q_format == "fp8":
             scaled = T.cast(T.cast(T.cast(value, f32) / q_scale, bf16), f32)
             value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
-        if q_shift != 1.0:
-            value = T.cast(value, f32) * q_shift
-        return T.if_then_else(qi < q_len, T.cast(value, mma), T.cast(0, mma))
+        return T.if_then_else(qi < k.q_len, T.cast(value, bf16), T.cast(0, bf16))
 
-    def e2m1(byte, odd):
-        """The e2m1 code in the low (even element) or high (odd) nibble of ``byte``, times 2^-14, as fp32: its 3
-        magnitude bits at fp16 bits 11..9 and its sign at bit 15 form that fp16 exactly (the e2m1 subnormal too).
-        The 2^-14 is undone once, in the score and output scales (``E2M1_OFFSET``)."""
-        code = T.shift_right(byte, odd * 4) & 15
-        half_bits = T.shift_left(code & 8, 12) | T.shift_left(code & 7, 9)
-        return T.cast(T.reinterpret(T.cast(half_bits, "uint16"), "float16"), f32)
+    def ring_parity(k, q_pass, rnd):
+        """Parity of a stage's barriers in round ``rnd`` of pass ``q_pass``: every pass walks ``rounds`` rounds of
+        all stages, so a tile's stage is static."""
+        return (q_pass * k.rounds + rnd) & 1
 
-    def e8m0(byte):
-        """e8m0 scale byte e -> 2^(e - 127) as fp32, built from its bits; e == 0 is the subnormal 2^-127, 255 NaN."""
-        e = T.cast(byte, "int32")
-        return T.if_then_else(
-            e == 0,
-            T.float32(5.877471754111438e-39),
-            T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.shift_left(e, 23)), f32),
-        )
-
-    block_bytes = MXFP4_BLOCK // 2  # 16 packed bytes per 32-element scale block
-    lat_blocks = KV_LORA_RANK // MXFP4_BLOCK  # 16 blocks per row: the latent part
-    rope_blocks = ROPE_DIM // MXFP4_BLOCK  # 2 blocks per row: the rope part
+    # ------------------------------------------------------------------------------------------- producers
 
     @T.macro
-    def decode_mxfp4_blocks(raw, raw_scale, K_lat, K_rope, tx):
-        """Consumer thread ``tx`` decodes whole 32-element blocks of the tile: one 16-byte shared load of the
-        packed codes and one scale byte per block, then 32 bf16 values in contiguous runs."""
-        packed = T.alloc_local([block_bytes], "uint8")
-        for k in T.unroll(block_n * (lat_blocks + rope_blocks) // CONSUMER_THREADS):
-            blk_id = tx + k * CONSUMER_THREADS
-            i = blk_id // (lat_blocks + rope_blocks)
-            b = blk_id % (lat_blocks + rope_blocks)
-            scale = e8m0(raw_scale[i * MXFP4_SCALES_PER_TOKEN + b])
-            for v in T.vectorized(block_bytes):
-                packed[v] = raw[i, b * block_bytes + v]
-            if b < lat_blocks:
-                for e in T.vectorized(MXFP4_BLOCK):
-                    K_lat[i, b * MXFP4_BLOCK + e] = T.cast(
-                        e2m1(T.cast(packed[e // 2], "int32"), e % 2) * scale, bf16
-                    )
+    def copy_tiles(k):
+        """bf16: each tile's rows, 16-byte cp.async chunks (consecutive threads on consecutive chunks of a row),
+        into the next free stage."""
+        T.set_max_nreg(cfg.producer_regs, 0)
+        p = k.tx - CONSUMER_THREADS
+        for q_pass in T.serial(k.num_passes):
+            for rnd in T.serial(k.rounds):
+                for s in list(range(stages)):  # static: the stage picks named buffers
+                    tile = rnd * stages + s
+                    tile_lo = k.split_lo + tile * block_n
+                    T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
+                    if tile < k.num_tiles:
+                        for dst, col0, cols in ((k.Ring_lat[s], 0, KV_LORA_RANK), (k.Ring_rope[s], KV_LORA_RANK, ROPE_DIM)):
+                            per_row = cols // 8
+                            for c in T.unroll(block_n * per_row // WARP_GROUP):
+                                i = (p + c * WARP_GROUP) // per_row
+                                col = (p + c * WARP_GROUP) % per_row * 8
+                                row = cache_row(k, tile_pos(k, tile_lo, i))
+                                T.ptx_cp_async(
+                                    T.access_ptr(dst[i, col], "w", 8), T.access_ptr(k.KV[row, col0 + col], "r", 8), 8
+                                )
+                    T.cp_async_barrier_noinc(k.ready[s])
+
+    def chunk_place(k, j):
+        """(tile row, first dim) of the decoder thread's chunk j (see CHUNKS_PER_THREAD)."""
+        if j < LATENT_CHUNKS:
+            return LATENT_CHUNKS * j + k.r8, 64 * k.warp + 16 * k.c4
+        return 8 * k.warp + k.r8, KV_LORA_RANK + 16 * k.c4
+
+    @T.macro
+    def fetch_tile(k, buf, tile_lo):
+        """Issue the loads of one tile's chunks (codes, and mxfp4 scale bytes) into register buffer ``buf``."""
+        for j in list(range(CHUNKS_PER_THREAD)):
+            i, dim = chunk_place(k, j)
+            row = cache_row(k, tile_pos(k, tile_lo, i))
+            word = (buf * CHUNKS_PER_THREAD + j) * chunk_words
+            if mxfp4:
+                T.evaluate(dequant.load_vector(k.raw[word], k.KV[row, dim // 2], 8))
+                k.scale[buf * CHUNKS_PER_THREAD + j] = dequant.load_byte(
+                    k.KV_scales[row * k.scale_stride + dim // MXFP4_BLOCK]
+                )
             else:
-                for e in T.vectorized(MXFP4_BLOCK):
-                    K_rope[i, (b - lat_blocks) * MXFP4_BLOCK + e] = T.cast(
-                        e2m1(T.cast(packed[e // 2], "int32"), e % 2) * scale, bf16
+                T.evaluate(dequant.load_vector(k.raw[word], k.KV[row, dim], 16))
+
+    @T.macro
+    def store_tile(k, buf, s):
+        """Decode register buffer ``buf`` into stage ``s``: 16 bf16 per chunk (two 16-byte stores)."""
+        for j in list(range(CHUNKS_PER_THREAD)):
+            i, dim = chunk_place(k, j)
+            word = (buf * CHUNKS_PER_THREAD + j) * chunk_words
+            if mxfp4:
+                T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[word], k.scale[buf * CHUNKS_PER_THREAD + j]))
+            else:
+                T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[word]))
+            dst, col = (k.Ring_lat[s], dim) if j < LATENT_CHUNKS else (k.Ring_rope[s], dim - KV_LORA_RANK)
+            for v in T.vectorized(dequant.CHUNK):
+                dst[i, col + v] = k.vals[v]
+
+    @T.macro
+    def decode_tiles(k):
+        """fp8 / mxfp4: per tile, issue the next tile's loads, wait for a free stage, decode this one into it."""
+        T.set_max_nreg(cfg.producer_regs, 0)
+        for q_pass in T.serial(k.num_passes):
+            if k.num_tiles > 0:
+                fetch_tile(k, 0, k.split_lo)
+            for rnd in T.serial(k.rounds):
+                for s in list(range(stages)):  # static: stage s holds tiles of register buffer s
+                    tile = rnd * stages + s
+                    tile_lo = k.split_lo + tile * block_n
+                    if tile + 1 < k.num_tiles:
+                        fetch_tile(k, 1 - s, tile_lo + block_n)
+                    T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
+                    if tile < k.num_tiles:
+                        store_tile(k, s, s)
+                        T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
+                    T.barrier_arrive(k.ready[s])
+
+    @T.macro
+    def produce(k):
+        if decodes:
+            decode_tiles(k)
+        else:
+            copy_tiles(k)
+
+    # -------------------------------------------------------------------------------------------- consumer
+
+    @T.macro
+    def load_q(k, q_pass, q_scale):
+        """This pass's Q rows (row r = head hg * block_h + r of query q_pass) into shared memory."""
+        for r, d in T.Parallel(block_m, KV_LORA_RANK):
+            k.Q_lat[r, d] = q_value(k, q_scale, q_pass, k.hg * block_h + r, d)
+        for r, d in T.Parallel(block_m, ROPE_DIM):
+            k.Q_rope[r, d] = q_value(k, q_scale, q_pass, k.hg * block_h + r, KV_LORA_RANK + d)
+
+    @T.macro
+    def attend_tile(k, s, tile_lo, horizon, score_scale):
+        """Scores, online-softmax step and P V for the tile in stage ``s``."""
+        # S^T = K Q^T over 512 latent + 64 rope dims.
+        T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
+        T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
+        for j, r in T.Parallel(block_n, block_m):
+            k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, k.acc_s[j, r] * score_scale, -T.infinity(f32))
+        # Online softmax in base 2; a row with nothing visible yet keeps max -inf and the safe max 0 keeps exp2
+        # away from (-inf) - (-inf).
+        T.copy(k.row_max, k.row_max_prev)
+        T.reduce_max(k.acc_s, k.row_max, dim=0, clear=False)
+        for r in T.Parallel(block_m):
+            k.row_max_safe[r] = T.if_then_else(k.row_max[r] == -T.infinity(f32), 0, k.row_max[r])
+            k.rescale[r] = T.exp2(k.row_max_prev[r] - k.row_max_safe[r])
+        for j, r in T.Parallel(block_n, block_m):
+            k.acc_s[j, r] = T.exp2(k.acc_s[j, r] - k.row_max_safe[r])
+        T.reduce_sum(k.acc_s, k.row_sum, dim=0)
+        for r in T.Parallel(block_m):
+            k.denom[r] = k.denom[r] * k.rescale[r] + k.row_sum[r]
+        for d, r in T.Parallel(KV_LORA_RANK, block_m):
+            k.acc_o[d, r] *= k.rescale[r]
+        for r, j in T.Parallel(block_m, block_n):
+            k.P_shared[r, j] = T.cast(k.acc_s[j, r], bf16)
+        # O^T += V^T P^T.
+        T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
+
+    @T.macro
+    def write_pass(k, q_pass, out_scale):
+        """This pass's rows. denom == 0: nothing visible, output 0 and LSE -inf."""
+        qi = k.q_begin + q_pass
+        if k.num_splits == 1:
+            for d, r in T.Parallel(KV_LORA_RANK, block_m):
+                k.Out[qi, k.hg * block_h + r, d] = T.cast(
+                    T.if_then_else(k.denom[r] > 0, k.acc_o[d, r] * out_scale / k.denom[r], 0), bf16
+                )
+            for r in T.Parallel(block_m):
+                k.LSE[qi, k.hg * block_h + r] = T.if_then_else(
+                    k.denom[r] > 0, (T.log2(k.denom[r]) + k.row_max[r]) * LN2, -T.infinity(f32)
+                )
+        else:
+            for d, r in T.Parallel(KV_LORA_RANK, block_m):
+                k.O_partial[partial_index(k.split_id, qi, k.hg, d, r)] = T.if_then_else(
+                    k.denom[r] > 0, k.acc_o[d, r] * out_scale / k.denom[r], 0
+                )
+            for r in T.Parallel(block_m):
+                k.LSE_partial[(k.split_id * total_q + qi) * heads + k.hg * block_h + r] = T.if_then_else(
+                    k.denom[r] > 0, T.log2(k.denom[r]) + k.row_max[r], -T.infinity(f32)
+                )
+
+    @T.macro
+    def merge_splits(k):
+        """Fused combine: publish this split, count it; the last split to arrive merges all."""
+        T.call_extern("handle", "__threadfence")
+        T.sync_threads(1, CONSUMER_THREADS)
+        if k.tx == 0:
+            k.last_flag[0] = T.atomic_add(
+                k.Semaphores[k.seq_id * head_groups + k.hg], 1, memory_order="acq_rel", return_prev=True
+            )
+        T.sync_threads(1, CONSUMER_THREADS)
+        if k.last_flag[0] == k.num_splits - 1:
+            T.call_extern("handle", "__threadfence")
+            for q_pass in T.serial(k.num_passes):
+                qi = k.q_begin + q_pass
+                lse_at = lambda sp, r: (sp * total_q + qi) * heads + k.hg * block_h + r  # noqa: E731
+                for r in T.Parallel(block_m):
+                    k.row_max[r] = -T.infinity(f32)
+                    k.denom[r] = 0
+                    for sp in T.serial(k.num_splits):
+                        k.row_max[r] = T.max(k.row_max[r], k.LSE_partial[lse_at(sp, r)])
+                T.fill(k.acc_o, 0)
+                for sp in T.serial(k.num_splits):
+                    for r in T.Parallel(block_m):
+                        k.rescale[r] = T.if_then_else(
+                            k.row_max[r] == -T.infinity(f32), 0, T.exp2(k.LSE_partial[lse_at(sp, r)] - k.row_max[r])
+                        )
+                        k.denom[r] += k.rescale[r]
+                    for d, r in T.Parallel(KV_LORA_RANK, block_m):
+                        k.acc_o[d, r] += k.rescale[r] * k.O_partial[partial_index(sp, qi, k.hg, d, r)]
+                for d, r in T.Parallel(KV_LORA_RANK, block_m):
+                    k.Out[qi, k.hg * block_h + r, d] = T.cast(
+                        T.if_then_else(k.denom[r] > 0, k.acc_o[d, r] / k.denom[r], 0), bf16
                     )
+                for r in T.Parallel(block_m):
+                    k.LSE[qi, k.hg * block_h + r] = T.if_then_else(
+                        k.denom[r] > 0, (T.log2(k.denom[r]) + k.row_max[r]) * LN2, -T.infinity(f32)
+                    )
+            if k.tx == 0:
+                k.Semaphores[k.seq_id * head_groups + k.hg] = 0
+
+    @T.macro
+    def consume_tiles(k):
+        T.set_max_nreg(cfg.consumer_regs, 1)
+        q_scale = T.alloc_var(
+            f32,
+            init=T.cast(T.cast(T.max(k.Q_scale[0], AMAX_FLOOR) / fp8_max, bf16), f32)
+            if cfg.q_format == "fp8"
+            else k.Q_scale[0],
+        )
+        # One multiply per score: sm_scale, log2(e), the fp8 per-tensor scales of Q and K, the decode's factor.
+        score_scale = T.alloc_var(f32, init=k.sm_scale * LOG2E * q_scale * k.KV_scale[0] * decode_factor)
+        out_scale = T.alloc_var(f32, init=k.KV_scale[0] * decode_factor)
+        for q_pass in T.serial(k.num_passes):
+            load_q(k, q_pass, q_scale)
+            T.fill(k.acc_o, 0)
+            T.fill(k.denom, 0)
+            T.fill(k.row_max, -T.infinity(f32))
+            horizon = k.split_hi
+            if cfg.causal:
+                # query q_pass of q_len sees positions [0, kv_len - q_len + q_pass]
+                horizon = T.min(k.split_hi, k.kv_len - k.q_len + q_pass + 1)
+            for rnd in T.serial(k.rounds):
+                for s in list(range(stages)):  # static: the stage picks named buffers
+                    tile = rnd * stages + s
+                    T.barrier_wait(k.ready[s], ring_parity(k, q_pass, rnd))
+                    if tile < k.num_tiles:
+                        attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale)
+                    T.barrier_arrive(k.free[s])
+            write_pass(k, q_pass, out_scale)
+        if k.num_splits > 1:
+            merge_splits(k)
+
+    # ------------------------------------------------------------------------------------------- the CTA
+
+    def scalar(dtype, init):
+        """A per-CTA scalar computed once into a register (a helper's value, not a re-derived expression)."""
+        return T.alloc_var(dtype, init=init)[0]
+
+    def cta_state(k, split_id, seq_id, kv_indptr, num_splits):
+        """The CTA's ring, barriers and per-CTA scalars (registers), shared by both programs."""
+        k.Ring_lat = [T.alloc_shared([block_n, KV_LORA_RANK], bf16) for _ in range(stages)]
+        k.Ring_rope = [T.alloc_shared([block_n, ROPE_DIM], bf16) for _ in range(stages)]
+        k.ready = T.alloc_barrier([ready_count] * stages)
+        k.free = T.alloc_barrier([CONSUMER_THREADS] * stages)
+        k.split_id, k.seq_id, k.num_splits = split_id, seq_id, num_splits
+        k.kv_begin = scalar("int32", kv_indptr[seq_id])
+        k.kv_len = scalar("int32", kv_indptr[seq_id + 1] - kv_indptr[seq_id])
+        # Split s covers tokens [s * chunk, (s + 1) * chunk), chunk a multiple of block_n.
+        k.chunk = scalar("int32", T.ceildiv(T.ceildiv(k.kv_len, num_splits), block_n) * block_n)
+        k.split_lo = scalar("int32", split_id * k.chunk)
+        k.split_hi = scalar("int32", T.min(k.split_lo + k.chunk, k.kv_len))
+        k.num_tiles = scalar("int32", T.ceildiv(T.max(k.split_hi - k.split_lo, 0), block_n))
+        k.rounds = scalar("int32", T.ceildiv(k.num_tiles, stages))
+        k.tx = T.get_thread_binding()
+        if decodes:
+            p = k.tx - CONSUMER_THREADS
+            k.warp, k.r8, k.c4 = p // 32, p % 8, p % 32 // 8
+
+    def producer_registers(k):
+        """A decoder thread's register buffers: two tiles of codes (and scale bytes), one chunk of bf16."""
+        if decodes:
+            k.raw = T.alloc_local([2 * CHUNKS_PER_THREAD * chunk_words], "uint32")
+            k.scale = T.alloc_local([2 * CHUNKS_PER_THREAD], "uint32") if mxfp4 else None
+            k.vals = T.alloc_local([16], bf16)
+
+    def consumer_state(k, qo_indptr, seq_id):
+        """The consumer's Q and P tiles, accumulators and query range."""
+        k.Q_lat = T.alloc_shared([block_m, KV_LORA_RANK], bf16)
+        k.Q_rope = T.alloc_shared([block_m, ROPE_DIM], bf16)
+        k.P_shared = T.alloc_shared([block_m, block_n], bf16)
+        k.last_flag = T.alloc_shared([1], "int32")
+        # S^T [token, row] and O^T [dim, row]: the KV tile is the wgmma M dimension.
+        k.acc_s = T.alloc_fragment([block_n, block_m], f32)
+        k.acc_o = T.alloc_fragment([KV_LORA_RANK, block_m], f32)
+        for name in ("row_max", "row_max_prev", "row_max_safe", "rescale", "row_sum", "denom"):
+            setattr(k, name, T.alloc_fragment([block_m], f32))
+        k.q_begin = scalar("int32", qo_indptr[seq_id])
+        k.q_len = scalar("int32", qo_indptr[seq_id + 1] - qo_indptr[seq_id])
+        k.num_passes = scalar("int32", T.max(k.q_len, 0))
 
     @T.macro
     def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
              num_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
-            # Ring of raw tiles (the cache's own bytes); a bf16 stage is the MMA operand itself.
-            if converts:
-                Raw = [T.alloc_shared([block_n, kv_cols], kv_dtype) for _ in range(stages)]
-                K_lat = T.alloc_shared([block_n, KV_LORA_RANK], mma)
-                K_rope = T.alloc_shared([block_n, ROPE_DIM], mma)
+            dequant.import_cuda_source()
+            k = SimpleNamespace(Q=Q, KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Q_scale=Q_scale,
+                                KV_scale=KV_scale, Page_table=Page_table, sm_scale=sm_scale, O_partial=O_partial,
+                                LSE_partial=LSE_partial, Semaphores=Semaphores, Out=Out, LSE=LSE, hg=hg)
+            cta_state(k, split_id, seq_id, kv_indptr, num_splits)
+            consumer_state(k, qo_indptr, seq_id)
+            if k.tx < CONSUMER_THREADS:
+                consume_tiles(k)
             else:
-                Raw_lat = [T.alloc_shared([block_n, KV_LORA_RANK], bf16) for _ in range(stages)]
-                Raw_rope = [T.alloc_shared([block_n, ROPE_DIM], bf16) for _ in range(stages)]
-            if cfg.kv_format == "mxfp4":
-                Raw_scale = [T.alloc_shared([scale_bytes], "uint8") for _ in range(stages)]
-            Q_lat = T.alloc_shared([block_m, KV_LORA_RANK], mma)
-            Q_rope = T.alloc_shared([block_m, ROPE_DIM], mma)
-            P_shared = T.alloc_shared([block_m, block_n], mma)
-            last_flag = T.alloc_shared([1], "int32")
+                producer_registers(k)
+                produce(k)
 
-            ready = T.alloc_barrier([ready_count] * stages)
-            free = T.alloc_barrier([CONSUMER_THREADS] * stages)
-
-            # S^T [token, row] and O^T [dim, row]: the KV tile is the wgmma M dimension.
-            acc_s = T.alloc_fragment([block_n, block_m], f32)
-            acc_o = T.alloc_fragment([KV_LORA_RANK, block_m], f32)
-            row_max = T.alloc_fragment([block_m], f32)
-            row_max_prev = T.alloc_fragment([block_m], f32)
-            row_max_safe = T.alloc_fragment([block_m], f32)
-            rescale = T.alloc_fragment([block_m], f32)
-            row_sum = T.alloc_fragment([block_m], f32)
-            denom = T.alloc_fragment([block_m], f32)
-
-            kv_begin = T.alloc_var("int32", init=kv_indptr[seq_id])
-            kv_len = T.alloc_var("int32", init=kv_indptr[seq_id + 1] - kv_indptr[seq_id])
-            q_begin = T.alloc_var("int32", init=qo_indptr[seq_id])
-            q_len = T.alloc_var("int32", init=qo_indptr[seq_id + 1] - qo_indptr[seq_id])
-            # Split s covers tokens [s * chunk, (s + 1) * chunk), chunk a multiple of block_n.
-            chunk = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(kv_len, num_splits), block_n) * block_n)
-            split_lo = T.alloc_var("int32", init=split_id * chunk)
-            split_hi = T.alloc_var("int32", init=T.min(split_lo + chunk, kv_len))
-            num_tiles = T.alloc_var("int32", init=T.ceildiv(T.max(split_hi - split_lo, 0), block_n))
-            # Ring rounds per query pass: every pass walks ceil(num_tiles / stages) rounds of all stages, so the
-            # stage of a tile is static and a round's barrier parity is (pass * rounds + round) & 1.
-            rounds = T.alloc_var("int32", init=T.ceildiv(num_tiles, stages))
-            num_passes = T.alloc_var("int32", init=T.max(q_len, 0))
-
-            tx = T.get_thread_binding()
-
-            if tx < CONSUMER_THREADS:
-                T.set_max_nreg(cfg.consumer_regs, 1)
-                q_scale = T.alloc_var(
-                    f32,
-                    init=T.cast(T.cast(T.max(Q_scale[0], AMAX_FLOOR) / fp8_max, bf16), f32)
-                    if cfg.q_format == "fp8"
-                    else Q_scale[0],
-                )
-                # One multiply per score: sm_scale, log2(e) and the fp8 per-tensor scales of Q and K.
-                kv_scale = KV_scale[0] * E2M1_OFFSET if cfg.kv_format == "mxfp4" else KV_scale[0]
-                score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * kv_scale / q_shift)
-                out_scale = T.alloc_var(f32, init=kv_scale)
-                for q_pass in T.serial(num_passes):
-                    # Stage 1: this pass's Q rows (row r = head hg * block_h + r of query q_pass).
-                    for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                        Q_lat[r, d] = q_value(Q, q_begin, q_len, q_scale, q_pass, hg * block_h + r, d)
-                    for r, d in T.Parallel(block_m, ROPE_DIM):
-                        Q_rope[r, d] = q_value(Q, q_begin, q_len, q_scale, q_pass, hg * block_h + r, KV_LORA_RANK + d)
-                    T.fill(acc_o, 0)
-                    T.fill(denom, 0)
-                    T.fill(row_max, -T.infinity(f32))
-                    horizon = split_hi
-                    if cfg.causal:
-                        # query q_pass of q_len sees positions [0, kv_len - q_len + q_pass]
-                        horizon = T.min(split_hi, kv_len - q_len + q_pass + 1)
-                    for rnd in T.serial(rounds):
-                        for s in list(range(stages)):  # static: the stage picks named buffers
-                            tile = rnd * stages + s
-                            tile_lo = split_lo + tile * block_n
-                            T.barrier_wait(ready[s], (q_pass * rounds + rnd) & 1)
-                            if tile < num_tiles:
-                                # Stage 2: the tile as MMA operands (bf16, or fp16 for fp8).
-                                if converts:
-                                    if cfg.kv_format == "fp8":
-                                        # fp8 -> bf16 / fp16 is exact; the per-tensor scale sits in score/out scales.
-                                        for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                            K_lat[i, d] = T.cast(Raw[s][i, d], mma)
-                                        for i, d in T.Parallel(block_n, ROPE_DIM):
-                                            K_rope[i, d] = T.cast(Raw[s][i, KV_LORA_RANK + d], mma)
-                                    else:
-                                        # code * 2^(e - 127) (times 2^-14): exact in bf16.
-                                        # (Element-wise decode, TileLang's own partition, was ~5% slower: run 14.)
-                                        decode_mxfp4_blocks(Raw[s], Raw_scale[s], K_lat, K_rope, tx)
-                                    T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
-                                    T.barrier_arrive(free[s])  # the producer may refill the stage now
-                                    K_l, K_r = K_lat, K_rope
-                                else:
-                                    K_l, K_r = Raw_lat[s], Raw_rope[s]
-
-                                # Stage 3: S^T = K Q^T over 512 latent + 64 rope dims.
-                                T.gemm(K_l, Q_lat, acc_s, transpose_B=True, clear_accum=True)
-                                T.gemm(K_r, Q_rope, acc_s, transpose_B=True)
-                                for j, r in T.Parallel(block_n, block_m):
-                                    acc_s[j, r] = T.if_then_else(
-                                        tile_lo + j < horizon, acc_s[j, r] * score_scale, -T.infinity(f32)
-                                    )
-                                # Stage 4: online softmax in base 2; a row with nothing visible yet keeps max -inf
-                                # and the safe max 0 keeps exp2 away from (-inf) - (-inf).
-                                T.copy(row_max, row_max_prev)
-                                T.reduce_max(acc_s, row_max, dim=0, clear=False)
-                                for r in T.Parallel(block_m):
-                                    row_max_safe[r] = T.if_then_else(row_max[r] == -T.infinity(f32), 0, row_max[r])
-                                    rescale[r] = T.exp2(row_max_prev[r] - row_max_safe[r])
-                                for j, r in T.Parallel(block_n, block_m):
-                                    acc_s[j, r] = T.exp2(acc_s[j, r] - row_max_safe[r])
-                                T.reduce_sum(acc_s, row_sum, dim=0)
-                                for r in T.Parallel(block_m):
-                                    denom[r] = denom[r] * rescale[r] + row_sum[r]
-                                for d, r in T.Parallel(KV_LORA_RANK, block_m):
-                                    acc_o[d, r] *= rescale[r]
-                                for r, j in T.Parallel(block_m, block_n):
-                                    P_shared[r, j] = T.cast(acc_s[j, r], mma)
-                                # Stage 5: O^T += V^T P^T.
-                                T.gemm(K_l, P_shared, acc_o, transpose_A=True, transpose_B=True)
-                                if not converts:
-                                    T.barrier_arrive(free[s])
-                            else:
-                                T.barrier_arrive(free[s])
-
-                    # Stage 6: this pass's rows. denom == 0: nothing visible, output 0 and LSE -inf.
-                    qi = q_begin + q_pass
-                    if num_splits == 1:
-                        for d, r in T.Parallel(KV_LORA_RANK, block_m):
-                            Out[qi, hg * block_h + r, d] = T.cast(
-                                T.if_then_else(denom[r] > 0, acc_o[d, r] * out_scale / denom[r], 0), bf16
-                            )
-                        for r in T.Parallel(block_m):
-                            LSE[qi, hg * block_h + r] = T.if_then_else(
-                                denom[r] > 0, (T.log2(denom[r]) + row_max[r]) * LN2, -T.infinity(f32)
-                            )
-                    else:
-                        for d, r in T.Parallel(KV_LORA_RANK, block_m):
-                            O_partial[partial_index(split_id, qi, hg, d, r)] = (
-                                T.if_then_else(denom[r] > 0, acc_o[d, r] * out_scale / denom[r], 0)
-                            )
-                        for r in T.Parallel(block_m):
-                            LSE_partial[(split_id * total_q + qi) * heads + hg * block_h + r] = T.if_then_else(
-                                denom[r] > 0, T.log2(denom[r]) + row_max[r], -T.infinity(f32)
-                            )
-
-                if num_splits > 1:
-                    # Stage 7 (fused combine): publish this split, count it; the last split to arrive merges all.
-                    T.call_extern("handle", "__threadfence")
-                    T.sync_threads(1, CONSUMER_THREADS)
-                    if tx == 0:
-                        last_flag[0] = T.atomic_add(
-                            Semaphores[seq_id * head_groups + hg], 1, memory_order="acq_rel", return_prev=True
-                        )
-                    T.sync_threads(1, CONSUMER_THREADS)
-                    if last_flag[0] == num_splits - 1:
-                        T.call_extern("handle", "__threadfence")
-                        for q_pass in T.serial(num_passes):
-                            qi = q_begin + q_pass
-                            for r in T.Parallel(block_m):
-                                row_max[r] = -T.infinity(f32)
-                                denom[r] = 0
-                                for sp in T.serial(num_splits):
-                                    row_max[r] = T.max(
-                                        row_max[r], LSE_partial[(sp * total_q + qi) * heads + hg * block_h + r]
-                                    )
-                            T.fill(acc_o, 0)
-                            for sp in T.serial(num_splits):
-                                for r in T.Parallel(block_m):
-                                    rescale[r] = T.if_then_else(
-                                        row_max[r] == -T.infinity(f32),
-                                        0,
-                                        T.exp2(LSE_partial[(sp * total_q + qi) * heads + hg * block_h + r] - row_max[r]),
-                                    )
-                                    denom[r] += rescale[r]
-                                for d, r in T.Parallel(KV_LORA_RANK, block_m):
-                                    acc_o[d, r] += rescale[r] * O_partial[partial_index(sp, qi, hg, d, r)]
-                            for d, r in T.Parallel(KV_LORA_RANK, block_m):
-                                Out[qi, hg * block_h + r, d] = T.cast(
-                                    T.if_then_else(denom[r] > 0, acc_o[d, r] / denom[r], 0), bf16
-                                )
-                            for r in T.Parallel(block_m):
-                                LSE[qi, hg * block_h + r] = T.if_then_else(
-                                    denom[r] > 0, (T.log2(denom[r]) + row_max[r]) * LN2, -T.infinity(f32)
-                                )
-                        if tx == 0:
-                            Semaphores[seq_id * head_groups + hg] = 0
-            else:
-                # Producer: raw tile bytes into the ring, one stage ahead of the consumer per free slot.
-                T.set_max_nreg(cfg.producer_regs, 0)
-                p = tx - CONSUMER_THREADS
-                if cfg.kv_format == "mxfp4":
-                    scale_reg = T.alloc_local([scales_per_thread], "uint8")
-                for q_pass in T.serial(num_passes):
-                    for rnd in T.serial(rounds):
-                        for s in list(range(stages)):  # static: the stage picks named buffers
-                            tile = rnd * stages + s
-                            tile_lo = split_lo + tile * block_n
-                            if cfg.kv_format == "mxfp4":
-                                # Scale bytes into registers first: their latency hides behind the wait below.
-                                for k in T.unroll(scales_per_thread):
-                                    idx = p + k * PRODUCER_THREADS
-                                    row = cache_row(
-                                        Page_table, seq_id, kv_begin,
-                                        T.min(tile_lo + idx // MXFP4_SCALES_PER_TOKEN, T.max(split_hi - 1, 0)), cache_rows,
-                                    )
-                                    if tile < num_tiles and idx < scale_bytes:
-                                        scale_reg[k] = KV_scales[row * scale_stride + idx % MXFP4_SCALES_PER_TOKEN]
-                            T.barrier_wait(free[s], ((q_pass * rounds + rnd) & 1) ^ 1)
-                            if tile < num_tiles:
-                                # 16-byte cp.async chunks, consecutive threads on consecutive chunks of a row. Rows
-                                # past the split end repeat its last token: finite data whose scores are masked.
-                                segments = [(Raw[s], 0, kv_cols)] if converts else [
-                                    (Raw_lat[s], 0, KV_LORA_RANK), (Raw_rope[s], KV_LORA_RANK, ROPE_DIM)]
-                                for dst, col0, cols in segments:
-                                    per_row = cols // chunk_elems
-                                    for k in T.unroll(block_n * per_row // PRODUCER_THREADS):
-                                        i = (p + k * PRODUCER_THREADS) // per_row
-                                        c = (p + k * PRODUCER_THREADS) % per_row * chunk_elems
-                                        row = cache_row(
-                                            Page_table, seq_id, kv_begin, T.min(tile_lo + i, split_hi - 1), cache_rows
-                                        )
-                                        T.ptx_cp_async(
-                                            T.access_ptr(dst[i, c], "w", chunk_elems),
-                                            T.access_ptr(KV[row, col0 + c], "r", chunk_elems),
-                                            chunk_elems,
-                                        )
-                                if cfg.kv_format == "mxfp4":
-                                    for k in T.unroll(scales_per_thread):
-                                        idx = p + k * PRODUCER_THREADS
-                                        if idx < scale_bytes:
-                                            Raw_scale[s][idx] = scale_reg[k]
-                            T.cp_async_barrier_noinc(ready[s])
-                            if cfg.kv_format == "mxfp4":
-                                T.barrier_arrive(ready[s])
+    if stream:
+        dims = dict(cache_rows=cache_rows, scale_len=scale_len, indptr_len=indptr_len)
+        return _stream_prim_func(cfg, stream, cta_state, producer_registers, produce, kv_dtype, kv_cols, dims)
 
     if cfg.page_size:
 
@@ -524,3 +552,70 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig):
              num_splits, O_partial, LSE_partial, Semaphores, Out, LSE)
 
     return mla_decode_ws
+
+
+def mla_decode_stream_kernel(cfg: WSDecodeKernelConfig, mode: str = "bench"):
+    """The decode kernel's producers with a consumer that does no MMA: the decode benchmark and its check.
+
+    One CTA per entry of ``kv_indptr`` streams rows kv_indptr[b]:kv_indptr[b + 1] of the cache through the ring,
+    exactly as the decode kernel's producers do for one split. The consumer releases each stage ("bench"), or
+    first copies it, times the format's factor (fp8: 2^120), to ``Out`` ("check": the decoded cache, for comparing
+    with ``mla.formats``).
+    Arguments: KV, KV_scales, scale_stride as the decode kernel; kv_indptr (ctas + 1,) int32;
+    Out (out_rows, 576) bf16 ("check"; any size for "bench", unused).
+    """
+    if mode not in ("bench", "check"):
+        raise ValueError(f"mode must be 'bench' or 'check', got {mode!r}")
+    return mla_decode_ws_kernel(cfg, stream=mode)
+
+
+def _stream_prim_func(cfg, mode, cta_state, producer_registers, produce, kv_dtype, kv_cols, dims):
+    """``mla_decode_stream_kernel``'s program, from the decode kernel's own CTA state and producer macros (and its
+    dynamic dims ``dims``, which they close over)."""
+    from tilelang.layout import make_full_bank_swizzled_layout
+
+    bf16 = "bfloat16"
+    factor = dequant.FP8_BF16_FACTOR if cfg.kv_format == "fp8" else 1.0
+    cache_rows, scale_len, indptr_len = dims["cache_rows"], dims["scale_len"], dims["indptr_len"]
+    out_rows = T.dynamic("out_rows")
+
+    def stream_state(k):
+        k.num_passes = 1  # one pass over each CTA's rows
+
+    @T.prim_func
+    def mla_decode_stream(
+        KV: T.Tensor([cache_rows, kv_cols], kv_dtype),
+        KV_scales: T.Tensor([scale_len], "uint8"),
+        scale_stride: T.int32,
+        kv_indptr: T.Tensor([indptr_len], "int32"),
+        Out: T.Tensor([out_rows, QK_DIM], bf16),
+    ):
+        with T.Kernel(indptr_len - 1, threads=cfg.threads) as seq_id:
+            dequant.import_cuda_source()
+            k = SimpleNamespace(KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Page_table=None)
+            cta_state(k, 0, seq_id, kv_indptr, 1)
+            # The decode kernel's wgmma gives the ring its 128-byte swizzle; here nothing infers it: state it.
+            T.annotate_layout({buf: make_full_bank_swizzled_layout(buf) for buf in k.Ring_lat + k.Ring_rope})
+            stream_state(k)
+            if k.tx < CONSUMER_THREADS:
+                for rnd in T.serial(k.rounds):
+                    for s in list(range(cfg.num_stages)):
+                        tile = rnd * cfg.num_stages + s
+                        T.barrier_wait(k.ready[s], rnd & 1)
+                        if mode == "check":
+                            if tile < k.num_tiles:
+                                tile_lo = k.split_lo + tile * cfg.block_n
+                                for i, d in T.Parallel(cfg.block_n, KV_LORA_RANK):
+                                    if tile_lo + i < k.split_hi:
+                                        Out[k.kv_begin + tile_lo + i, d] = T.cast(
+                                            T.cast(k.Ring_lat[s][i, d], "float32") * factor, bf16)
+                                for i, d in T.Parallel(cfg.block_n, ROPE_DIM):
+                                    if tile_lo + i < k.split_hi:
+                                        Out[k.kv_begin + tile_lo + i, KV_LORA_RANK + d] = T.cast(
+                                            T.cast(k.Ring_rope[s][i, d], "float32") * factor, bf16)
+                        T.barrier_arrive(k.free[s])
+            else:
+                producer_registers(k)
+                produce(k)
+
+    return mla_decode_stream

@@ -29,10 +29,9 @@ from tl_kernels.mla_decode_ws import WSDecodeKernelConfig  # noqa: E402
 
 SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
 OLD_FAMILY = {"block_n": 64}  # any override of the old family's fields selects it (its default tile)
-VARIANTS = {  # name -> config overrides
+VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: their decoders hold two tiles)
     "st2": dict(num_stages=2),
     "st3": dict(num_stages=3),
-    "st3-f16": dict(num_stages=3, mma_dtype="float16"),
 }
 
 
@@ -46,7 +45,7 @@ def variants_for(mode: str):
     for name, ov in VARIANTS.items():
         try:
             cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], **ov)
-        except ValueError:  # e.g. fp16 operands for a non-fp8 cache
+        except ValueError:  # e.g. three stages for a decoded format
             continue
         if cfg.shared_bytes <= 227 * 1024:
             out.append((name, ov))

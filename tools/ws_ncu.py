@@ -15,7 +15,7 @@ splits = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 data = make_harness_inputs(batch, kv_len, seed=1)
 for _ in range(3):
     if impl == "ws":
-        run_ws({"num_stages": 3 if mode != "bf16" else 2}, data, mode, splits)
+        run_ws({}, data, mode, splits)
     else:
         run_old(data, mode)
 torch.cuda.synchronize()

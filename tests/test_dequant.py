@@ -1,0 +1,101 @@
+"""The bit-placement decode of tl_kernels/dequant.py, exhaustively, on the CPU: a NumPy model of its CUDA device
+functions (same words, same byte permutes, shifts and masks, the same bf16 multiplies) against mla.formats'
+dequantization, for every e4m3 code and every (e2m1 code, e8m0 byte) pair. The constants the model uses are read
+from the CUDA source, so a change there without the model (or the reverse) fails here. The GPU runs the functions
+themselves in tests/test_ws_gpu.py and tools/decode_bench.py's check."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from mla import formats
+from tl_kernels import dequant
+
+
+def prmt(a, b, sel):
+    """PTX prmt.b32 (default mode): byte k of the result is byte (sel >> 4k) & 7 of the 8 bytes (a, b)."""
+    src = (np.uint64(b) << np.uint64(32)) | a.astype(np.uint64)
+    out = np.zeros_like(a)
+    for k in range(4):
+        pick = (sel >> (4 * k)) & 7
+        byte = (src >> np.uint64(8 * pick)) & np.uint64(0xFF)
+        out |= (byte.astype(np.uint32) << np.uint32(8 * k))
+    return out
+
+
+def bf16_words_to_float(words):
+    """uint32 words of two bf16 each (low half first) -> float32 values, in order."""
+    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(*words.shape[:-1], -1)
+    return (halves.astype(np.uint32) << 16).view(np.float32)
+
+
+def float_to_bf16_bits(x):
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint32) & 0xFFFF
+
+
+def mul_bf16x2(a, b):
+    """mul.rn.bf16x2: each half multiplied in fp32 (exact for these power-of-two factors), rounded to bf16."""
+    lo = bf16_words_to_float((a & 0xFFFF)[..., None])[..., 0] * bf16_words_to_float((b & 0xFFFF)[..., None])[..., 0]
+    hi = bf16_words_to_float((a >> 16)[..., None])[..., 0] * bf16_words_to_float((b >> 16)[..., None])[..., 0]
+    return float_to_bf16_bits(lo) | (float_to_bf16_bits(hi) << np.uint32(16))
+
+
+def constants(fn: str) -> list[int]:
+    body = dequant.CUDA_SOURCE[dequant.CUDA_SOURCE.index(fn):]
+    body = body[: body.index("\n}\n")]
+    return [int(c, 16) for c in re.findall(r"0x([0-9A-Fa-f]+)u", body)]
+
+
+def model_fp8x16(words):
+    """mla_fp8x16_to_bf16 on (n, 4) uint32 words -> (n, 8) words."""
+    lo_sel, hi_sel, sign, field = constants("mla_fp8x16_to_bf16")[:4]
+    out = []
+    for i in range(4):
+        for sel in (lo_sel, hi_sel):
+            t = prmt(words[:, i], np.zeros_like(words[:, i]), sel)
+            out.append((t & np.uint32(sign)) | ((t >> np.uint32(4)) & np.uint32(field)))
+    return np.stack(out, axis=1)
+
+
+def model_e2m1x16(words, e):
+    """mla_e2m1x16_to_bf16 on (n, 2) uint32 words and (n,) scale bytes -> (n, 8) words."""
+    mag, sign, nan = constants("mla_e2m1x16_to_bf16")[:3]
+    e_lo = np.minimum(e, 128).astype(np.uint32)
+    f = (e_lo + 126) << np.uint32(7)
+    f |= f << np.uint32(16)
+    out = []
+    for i in range(2):
+        odd = words[:, i] >> np.uint32(4)
+        for k in range(4):
+            s = prmt(words[:, i], odd, k | (k << 4) | ((k + 4) << 8) | ((k + 4) << 12))
+            v = ((s << np.uint32(6)) & np.uint32(mag)) | ((s << np.uint32(12)) & np.uint32(sign))
+            out.append(mul_bf16x2(v, f))
+    out = np.stack(out, axis=1)
+    big = e > 128
+    g = np.where(e == 255, np.uint32(nan), ((e.astype(np.uint32) - 1) << 7) | ((e.astype(np.uint32) - 1) << 23))
+    if big.any():
+        out[big] = mul_bf16x2(out[big], g[big][:, None])
+    return out
+
+
+def test_every_e4m3_code_decodes_to_its_value_times_2_pow_minus_120():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn NaN codes: never stored (quantizers saturate)
+    codes = torch.cat([codes, codes.flip(0)])[: 16 * (len(codes) * 2 // 16)]  # whole 16-code chunks
+    words = codes.numpy().view(np.uint32).reshape(-1, 4)
+    got = bf16_words_to_float(model_fp8x16(words)).reshape(-1).astype(np.float64) * dequant.FP8_BF16_FACTOR
+    expected = formats.dequantize_fp8(codes.view(torch.float8_e4m3fn), torch.ones(1)).double().numpy()
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("e", list(range(256)))
+def test_every_e2m1_code_at_every_e8m0_scale(e):
+    nibbles = np.concatenate([np.arange(16), np.arange(16)[::-1]]).astype(np.uint8)  # every code, both nibbles
+    packed = torch.from_numpy(nibbles[0::2] | (nibbles[1::2] << 4))  # 16 bytes: 32 codes
+    scales = torch.full((1,), e, dtype=torch.uint8)
+    expected = formats.dequantize_mxfp4(packed[None], scales[None]).to(torch.bfloat16).float().numpy()[0]
+    words = packed.numpy().view(np.uint32).reshape(-1, 2)  # two 16-code chunks
+    got = bf16_words_to_float(model_e2m1x16(words, np.full(len(words), e))).reshape(-1)
+    np.testing.assert_array_equal(got, expected)  # NaN where expected NaN (e == 255), exact elsewhere

@@ -1,0 +1,123 @@
+"""KV decode by bit placement: fp8 e4m3 and mxfp4 (e2m1 + e8m0) codes to bf16 MMA operands, with no conversion
+instruction. The design, shared by every target (this module holds the CUDA device functions; the gfx942 program
+uses the same bit layout and scale folding):
+
+e4m3 -> bf16 (``mla_fp8x16_to_bf16``: 16 codes, four 32-bit words, to 16 bf16)
+    The sign stays the top bit of its half-word; the 7 exponent + mantissa bits move right by 4 into bf16's
+    exponent and top mantissa bits. The result is exactly ``code value * 2^-120`` (e4m3's bias 7 against bf16's
+    127; its subnormals land on bf16 subnormals, also exact). The 2^120 is folded, with the per-tensor scale, into
+    the score scale (K) and the output scale (V): see ``FP8_BF16_FACTOR``. Per pair of codes: one byte permute, one
+    shift, one AND and one three-input logic op. e4m3fn's NaN codes (0x7f / 0xff) decode to +-480 (the cache never
+    holds them: quantizers saturate).
+
+e2m1 x e8m0 -> bf16 (``mla_e2m1x16_to_bf16``: 16 codes, two 32-bit words, plus the block's scale byte)
+    The nibble's sign goes to bit 15, its two exponent bits and its mantissa bit to bits 8..6: bf16 exponent field
+    0..3, so the half-word is exactly ``code value * 2^-126`` (the e2m1 subnormal 0.5 lands on a bf16 subnormal).
+    One bf16x2 multiply per pair by 2^(e - 1) makes it ``code * 2^(e - 127)``, the stored value, exactly. bf16 holds
+    2^(e - 1) only for e <= 128, so a block with e > 128 takes a second multiply by 2^(e - 128) (e == 255, NaN in
+    e8m0, multiplies by NaN). Per pair: one byte permute, two shifts, two logic ops, one multiply.
+
+Loads: ``mla_ld_global_16`` / ``_8`` read whole vectors of the cache into registers (read once: not kept in L1),
+``mla_ld_global_u8`` one scale byte; they are inline PTX, so the compiler keeps them where the program issues them
+(before the wait that follows), and nothing in them can be bounds-checked into a branch.
+"""
+
+import tilelang.language as T
+
+FP8_BF16_FACTOR = 2.0**120  # mla_fp8x16_to_bf16 yields code * 2^-120: scores and outputs are scaled back by this
+CHUNK = 16  # codes per decode call (one 16-byte fp8 vector, one 8-byte mxfp4 vector)
+FP8_CHUNK_WORDS = 4  # 32-bit words of one fp8 chunk
+MXFP4_CHUNK_WORDS = 2  # 32-bit words of one mxfp4 chunk
+
+CUDA_SOURCE = r"""
+__device__ __forceinline__ unsigned mla_prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ unsigned mla_mul_bf16x2(unsigned a, unsigned b) {
+  unsigned d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// Whole-vector loads of cache bytes into a thread's registers (dst: a local array of 32-bit words).
+__device__ __forceinline__ void mla_ld_global_16(void* dst, const void* src) {
+  unsigned* d = (unsigned*)dst;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "l"(src));
+}
+__device__ __forceinline__ void mla_ld_global_8(void* dst, const void* src) {
+  unsigned* d = (unsigned*)dst;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(d[0]), "=r"(d[1]) : "l"(src));
+}
+__device__ __forceinline__ unsigned mla_ld_global_u8(const void* src) {
+  unsigned v;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(src));
+  return v;
+}
+// 16 e4m3 codes (4 words) -> 16 bf16 (8 words) holding code * 2^-120.
+__device__ __forceinline__ void mla_fp8x16_to_bf16(void* dst, const void* src) {
+  const unsigned* in = (const unsigned*)src;
+  unsigned* out = (unsigned*)dst;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    unsigned lo = mla_prmt(in[i], 0u, 0x1404u);  // [b1, 0, b0, 0]: each code in the high byte of its half-word
+    unsigned hi = mla_prmt(in[i], 0u, 0x3424u);  // [b3, 0, b2, 0]
+    out[2 * i] = (lo & 0x80008000u) | ((lo >> 4) & 0x07F007F0u);
+    out[2 * i + 1] = (hi & 0x80008000u) | ((hi >> 4) & 0x07F007F0u);
+  }
+}
+// 16 e2m1 codes (2 words, low nibble first) with their block's e8m0 byte e -> 16 bf16 (8 words), code * 2^(e-127).
+__device__ __forceinline__ void mla_e2m1x16_to_bf16(void* dst, const void* src, unsigned e) {
+  const unsigned* in = (const unsigned*)src;
+  unsigned* out = (unsigned*)dst;
+  unsigned e_lo = e < 128u ? e : 128u;
+  unsigned f = (e_lo + 126u) << 7;  // bf16 2^(e - 1) for e <= 128
+  f |= f << 16;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    unsigned odd = in[i] >> 4;  // byte k: the odd code of byte k of the word in its low nibble
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      // low half-word: code 2k (low nibble of byte k), high half-word: code 2k + 1
+      unsigned s = mla_prmt(in[i], odd, (unsigned)(k | (k << 4) | ((k + 4) << 8) | ((k + 4) << 12)));
+      unsigned v = ((s << 6) & 0x01C001C0u) | ((s << 12) & 0x80008000u);  // code * 2^-126
+      out[4 * i + k] = mla_mul_bf16x2(v, f);
+    }
+  }
+  if (e > 128u) {  // 2^(e - 1) is past bf16's range: the rest of the factor, 2^(e - 128) (NaN for e == 255)
+    unsigned g = e == 255u ? 0x7FC07FC0u : (((e - 1u) << 7) | ((e - 1u) << 23));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = mla_mul_bf16x2(out[j], g);
+  }
+}
+"""
+
+
+def import_cuda_source():
+    """Adds the device functions to the kernel being built (call once inside its ``T.Kernel``)."""
+    T.import_source(CUDA_SOURCE)
+
+
+def load_vector(dst, src, nbytes: int):
+    """``nbytes`` (16 or 8) bytes at the address of ``src`` (a global buffer element, e.g. ``KV[row, col]``) into
+    the local 32-bit words starting at ``dst`` (a local buffer element)."""
+    fn = {16: "mla_ld_global_16", 8: "mla_ld_global_8"}[nbytes]
+    return T.call_extern("handle", fn, T.access_ptr(dst, "w"), T.access_ptr(src, "r"))
+
+
+def load_byte(src):
+    """One byte of a global buffer (e.g. an e8m0 scale) as uint32."""
+    return T.call_extern("uint32", "mla_ld_global_u8", T.access_ptr(src, "r"))
+
+
+def fp8x16_to_bf16(dst, src):
+    """16 e4m3 codes in the four local words from ``src`` -> 16 bf16 from ``dst`` (a local bf16 buffer element),
+    each ``code * 2^-120`` (see the module docstring)."""
+    return T.call_extern("handle", "mla_fp8x16_to_bf16", T.access_ptr(dst, "w"), T.access_ptr(src, "r"))
+
+
+def e2m1x16_to_bf16(dst, src, scale_byte):
+    """16 e2m1 codes in the two local words from ``src`` with their block's e8m0 byte -> 16 bf16 from ``dst``,
+    each exactly ``code * 2^(e - 127)``."""
+    return T.call_extern("handle", "mla_e2m1x16_to_bf16", T.access_ptr(dst, "w"), T.access_ptr(src, "r"), scale_byte)
