@@ -220,6 +220,9 @@ def parse_args(argv=None):
                         help=f"calls per host-cost loop (default {HOST_CALLS})")
     parser.add_argument("--no-baselines", action="store_true", help="skip the naive torch baselines")
     parser.add_argument("--no-peers", action="store_true", help="skip the peers (FlashInfer, FlashMLA, AMD aiter)")
+    parser.add_argument("--config", type=json.loads, default=None, metavar="JSON",
+                        help='kernel config overrides for our op (tuning; e.g. \'{"ws": false}\' for the 16/32/64-row '
+                             'kernel instead of the warp-specialised one)')
     parser.add_argument("--json", metavar="PATH", help="write every measurement to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of achieved GB/s (needs matplotlib)")
     parser.add_argument("--reps", type=positive_int, default=DEFAULT_REPS,
@@ -259,7 +262,7 @@ def selected_kernels(spec, mode: str, case: Case, args, total_kv: int | None = N
     return schedule.select_kernels(
         spec, kv_format=kv_format, q_format=q_format, num_heads=args.heads, causal=False,
         page_size=args.page_size or 0, batch=case.batch, total_q=case.batch * args.q_len,
-        total_kv=case.total_kv if total_kv is None else total_kv, num_splits=args.splits,
+        total_kv=case.total_kv if total_kv is None else total_kv, num_splits=args.splits, **(args.config or {}),
     )
 
 
@@ -278,9 +281,11 @@ def make_inputs(case: Case, q_len: int, heads: int, device: str):
     return make_ragged_inputs(list(case.kv_lens), q_len, num_heads=heads, seed=INPUT_SEED, device=device)
 
 
-def run_mode(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None) -> torch.Tensor:
-    """One mla_decode call in ``mode`` on the harness tuple ``data`` (paged caches come with ``page_table``)."""
-    return run_harness(data, mode, num_splits=num_splits, page_table=page_table)
+def run_mode(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None,
+             config: dict | None = None) -> torch.Tensor:
+    """One mla_decode call in ``mode`` on the harness tuple ``data`` (paged caches come with ``page_table``;
+    ``config``: tuning overrides of the kernel config, --config)."""
+    return run_harness(data, mode, num_splits=num_splits, page_table=page_table, config_overrides=config)
 
 
 def planned_call(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None,
@@ -493,7 +498,7 @@ def bench_modes(bench: Bench, case: Case, data, ref_fns: dict, comparisons: list
         if args.plan:
             fn = planned_call(mode, data, args.splits, page_table)
         else:
-            fn = lambda mode=mode: run_mode(mode, data, args.splits, page_table)  # noqa: E731
+            fn = lambda mode=mode: run_mode(mode, data, args.splits, page_table, args.config)  # noqa: E731
         measure(bench, row, fn, reps=args.reps,
                 bytes_read=bytes_moved(case.batch, case.mean_kv_len, args.q_len, args.heads, mode),
                 ref_fn=ref_fns[mode] if args.check else None)
@@ -613,7 +618,7 @@ def bench_host(bench: Bench, case: Case) -> list[dict]:
     cycles_per_us = sleep_cycles_per_us()
     calls = []
     for mode in args.modes:
-        calls.append((mode, False, False, lambda mode=mode: run_mode(mode, run_data, args.splits, page_table)))
+        calls.append((mode, False, False, lambda mode=mode: run_mode(mode, run_data, args.splits, page_table, args.config)))
         calls.append((mode, True, False, planned_call(mode, run_data, args.splits, page_table)))
     ref_fns, shared = reference_fns(data), {}
     for peer in bench.peers:

@@ -8,9 +8,9 @@ ring is a plain serial loop over barrier parities, not ``T.Pipelined``):
   producers (few registers), by cache format
     bf16: one warp group copies each tile's rows into the next free stage with cp.async, completing on the
           stage's "ready" barrier (``copy_tiles``).
-    fp8 / mxfp4: two warp groups load each tile's codes from global memory into registers (whole vectors, one
-          tile ahead of the one they decode, so a tile's loads are in flight while the previous one is decoded
-          and stored), decode them by bit placement (``tl_kernels.dequant``: no conversion instruction) and store
+    fp8 / mxfp4: two warp groups load each tile's codes from global memory into registers (whole vectors, two
+          tiles ahead: a chunk's load for tile t + 2 is issued as soon as its registers are decoded for tile t),
+          decode them by bit placement (``tl_kernels.dequant``: no conversion instruction) and store
           bf16 into the stage, then fence the async proxy and arrive on "ready" (``decode_tiles``).
   consumer (one warp group, most registers; ``consume_tiles``)
     1. Q rows of the current query pass, once, into shared memory (a8w8: rounded to fp8 values here);
@@ -50,7 +50,10 @@ from tl_kernels.mla_decode import (
 LN2 = 0.6931471805599453  # ln(2): base-2 LSE -> natural log
 WARP_GROUP = 128  # threads of one warp group (setmaxnreg and wgmma work per warp group)
 CONSUMER_THREADS = WARP_GROUP
-REGS_PER_LANE = 512  # 64 Ki registers per SM over the 128 lanes of one warp group slot: the roles' budgets sum to it
+# Registers per lane that the roles' setmaxnreg budgets may sum to: the SM has 64 Ki (512 per lane of a warp-group
+# slot), but setmaxnreg.inc waits until the pool holds what it asks for, and budgets summing to all 512 hung the
+# consumer on the H200 (docs/perf.md, run 15); 504 leaves the headroom CUTLASS and FA3 kernels leave.
+REGS_PER_LANE = 504
 DECODER_GROUPS = 2  # fp8 / mxfp4 producer warp groups (decode spread over 8 warps that issue no MMA)
 # A decoder thread's share of a 64-token tile: 9 chunks of 16 codes. Lane (r8, c4) = (lane % 8, lane // 8) of warp
 # w takes latent chunk j < 8 at tile row 8j + r8, dims 64w + 16 c4 (a warp covers one 64-dim panel of 8 rows: its
@@ -250,23 +253,28 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         return 8 * k.warp + k.r8, KV_LORA_RANK + 16 * k.c4
 
     @T.macro
-    def fetch_tile(k, buf, tile_lo):
-        """Issue the loads of one tile's chunks (codes, and mxfp4 scale bytes) into register buffer ``buf``."""
-        for j in list(range(CHUNKS_PER_THREAD)):
-            i, dim = chunk_place(k, j)
-            row = cache_row(k, tile_pos(k, tile_lo, i))
-            word = (buf * CHUNKS_PER_THREAD + j) * chunk_words
-            if mxfp4:
-                T.evaluate(dequant.load_vector(k.raw[word], k.KV[row, dim // 2], 8))
-                k.scale[buf * CHUNKS_PER_THREAD + j] = dequant.load_byte(
-                    k.KV_scales[row * k.scale_stride + dim // MXFP4_BLOCK]
-                )
-            else:
-                T.evaluate(dequant.load_vector(k.raw[word], k.KV[row, dim], 16))
+    def fetch_chunk(k, buf, tile_lo, j):
+        """Issue the load of chunk j of the tile starting at ``tile_lo`` (codes, and the mxfp4 scale byte) into
+        register buffer ``buf``."""
+        i, dim = chunk_place(k, j)
+        row = cache_row(k, tile_pos(k, tile_lo, i))
+        word = (buf * CHUNKS_PER_THREAD + j) * chunk_words
+        if mxfp4:
+            T.evaluate(dequant.load_vector(k.raw[word], k.KV[row, dim // 2], 8))
+            k.scale[buf * CHUNKS_PER_THREAD + j] = dequant.load_byte(k.KV_scales[row * k.scale_stride + dim // MXFP4_BLOCK])
+        else:
+            T.evaluate(dequant.load_vector(k.raw[word], k.KV[row, dim], 16))
 
     @T.macro
-    def store_tile(k, buf, s):
-        """Decode register buffer ``buf`` into stage ``s``: 16 bf16 per chunk (two 16-byte stores)."""
+    def fetch_tile(k, buf, tile_lo):
+        for j in list(range(CHUNKS_PER_THREAD)):
+            fetch_chunk(k, buf, tile_lo, j)
+
+    @T.macro
+    def store_tile(k, buf, s, next_lo, has_next):
+        """Decode register buffer ``buf`` into stage ``s`` (16 bf16 per chunk, two 16-byte stores); as each chunk's
+        registers free up, issue the load of the same chunk of the tile two ahead (``next_lo``), so every tile's
+        loads are in flight for two tiles' time with only two tiles of registers."""
         for j in list(range(CHUNKS_PER_THREAD)):
             i, dim = chunk_place(k, j)
             word = (buf * CHUNKS_PER_THREAD + j) * chunk_words
@@ -274,26 +282,30 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[word], k.scale[buf * CHUNKS_PER_THREAD + j]))
             else:
                 T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[word]))
+            if has_next:
+                fetch_chunk(k, buf, next_lo, j)
             dst, col = (k.Ring_lat[s], dim) if j < LATENT_CHUNKS else (k.Ring_rope[s], dim - KV_LORA_RANK)
             for v in T.vectorized(dequant.CHUNK):
                 dst[i, col + v] = k.vals[v]
 
     @T.macro
     def decode_tiles(k):
-        """fp8 / mxfp4: per tile, issue the next tile's loads, wait for a free stage, decode this one into it."""
+        """fp8 / mxfp4: tiles t and t + 1 are loaded ahead; per tile, wait for a free stage, decode into it."""
         T.set_max_nreg(cfg.producer_regs, 0)
         for q_pass in T.serial(k.num_passes):
-            if k.num_tiles > 0:
-                fetch_tile(k, 0, k.split_lo)
+            for first in list(range(stages)):
+                if first < k.num_tiles:
+                    fetch_tile(k, first, k.split_lo + first * block_n)
             for rnd in T.serial(k.rounds):
-                for s in list(range(stages)):  # static: stage s holds tiles of register buffer s
+                for s in list(range(stages)):  # static: stage s and register buffer s hold tiles t = s (mod 2)
                     tile = rnd * stages + s
                     tile_lo = k.split_lo + tile * block_n
-                    if tile + 1 < k.num_tiles:
-                        fetch_tile(k, 1 - s, tile_lo + block_n)
                     T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
                     if tile < k.num_tiles:
-                        store_tile(k, s, s)
+                        if tile + stages < k.num_tiles:
+                            store_tile(k, s, s, tile_lo + stages * block_n, True)
+                        else:
+                            store_tile(k, s, s, tile_lo, False)
                         T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
                     T.barrier_arrive(k.ready[s])
 
