@@ -25,8 +25,12 @@ WS_COMBINE_TILES_PER_SPLIT = 0.25
 # Depth of the warp-specialised kernel's 16-bit ring: two 72 KiB stages, one CTA per SM (a third stage never helped
 # bf16, docs/perf.md run 14; the fp8 / mxfp4 decoders hold exactly two tiles in registers).
 WS_STAGES = 2
-# The warp-specialised family serves the 16-row class on Hopper (decoders that issue no MMA: docs/perf.md, run 15).
-WS_BY_DEFAULT = True
+# Where the warp-specialised family is the default for the 16-row class on Hopper (docs/perf.md, run 15, H200): an
+# mxfp4 cache of at least WS_MIN_TOKENS cached tokens (2.6x faster than the 16-row kernel at 256 x 8192; slower on
+# the small shapes, where its fused merge and one CTA per SM cost more than they save). For bf16 and fp8 caches it
+# was not faster than the 16-row kernel in that run, so they keep that kernel.
+WS_FORMATS = ("mxfp4",)
+WS_MIN_TOKENS = 64 * 1024
 
 
 def decode_config(
@@ -135,6 +139,11 @@ def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int,
     )
 
 
+def ws_by_default(spec: TargetSpec, *, kv_format: str, num_heads: int, q_tile: int, total_kv: int) -> bool:
+    """Whether the op picks the warp-specialised kernel for this problem when not told (``WS_FORMATS``)."""
+    return kv_format in WS_FORMATS and total_kv >= WS_MIN_TOKENS and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
+
+
 def uses_ws(spec: TargetSpec, *, num_heads: int, q_tile: int) -> bool:
     """Whether the warp-specialised kernel family serves this problem class: Hopper (wgmma, setmaxnreg) and 16
     query rows per CTA (16 heads, one query token per pass). Wider problems (more heads, MTP tiles of 2-4 queries)
@@ -187,7 +196,9 @@ def select_kernels(
     q_tile = query_tile(total_q, batch)
     # Tuning overrides name the family's fields: the warp-specialised family's with ``ws=True``, else the
     # 32/64-row kernel's (which also serves a forced config of the 16-row class).
-    ws = overrides.pop("ws", WS_BY_DEFAULT and not overrides) and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
+    default = not overrides and ws_by_default(spec, kv_format=kv_format, num_heads=num_heads, q_tile=q_tile,
+                                              total_kv=total_kv)
+    ws = overrides.pop("ws", default) and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
     if ws:
         # One launch whatever the split count: the kernel merges its splits (``combine`` is None).
         cfg = ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
@@ -252,10 +263,8 @@ MODES = constants.MODES
 
 def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:
     """Every kernel the op may launch for one problem class: each mode's split and direct decode kernel, and the
-    combine kernel (on Hopper's 16-row class: each mode's one warp-specialised kernel). Used to pre-build (bench.py
+    combine kernel (on Hopper's 16-row class also the warp-specialised kernel of WS_FORMATS). Used to pre-build (bench.py
     without a GPU) and to test that all of them compile."""
-    if WS_BY_DEFAULT and uses_ws(spec, num_heads=num_heads, q_tile=q_tile):
-        return [ws_config(spec, kv_format=kv, q_format=qf, num_heads=num_heads, causal=causal) for kv, qf in MODES.values()]
     variants = []
     for kv_format, q_format in MODES.values():
         for split in (True, False):
@@ -265,4 +274,6 @@ def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, c
                 )
             )
     variants.append(combine_config(spec, num_heads=num_heads))
+    if uses_ws(spec, num_heads=num_heads, q_tile=q_tile):  # the warp-specialised kernel, for large problems
+        variants += [ws_config(spec, kv_format=kv, num_heads=num_heads, causal=causal) for kv in WS_FORMATS]
     return variants

@@ -209,16 +209,15 @@ def classes_of_items(items):
 
 def kernel_configs(spec, classes):
     """The decode (split and direct) and combine configs the op may launch for problem classes
-    ``(mode, num_heads, q_tile, causal, page_size)``; on Hopper's 16-row class, the one warp-specialised kernel."""
+    ``(mode, num_heads, q_tile, causal, page_size)``; on Hopper's 16-row class also the warp-specialised kernel."""
     from mla import schedule
 
     configs = []
     for mode, heads, q_tile, causal, page_size in sorted(set(classes)):
         kv_format, q_format = MODE_FORMATS[mode]
-        if schedule.WS_BY_DEFAULT and schedule.uses_ws(spec, num_heads=heads, q_tile=q_tile):  # one fused kernel
+        if schedule.uses_ws(spec, num_heads=heads, q_tile=q_tile):  # the fused kernel of large problems (and tests)
             configs.append(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
                                               causal=causal, page_size=page_size))
-            continue
         for split in (True, False):
             configs.append(
                 schedule.decode_config(
