@@ -8,6 +8,8 @@ GEMMs are wgmma; the cache is read in its compressed type; the split merge is fu
 kernel); the shared memory the schedule counts bounds what TileLang allocates. Also the schedule's choices.
 """
 
+import re
+
 import pytest
 
 from mla import jit, schedule
@@ -48,17 +50,17 @@ def test_compressed_tiles_are_decoded_by_bit_placement_outside_the_mma_warps(sou
     decode = {"fp8": "mla_fp8x16_to_bf16", "mxfp4": "mla_e2m1x16_to_bf16"}[cfg.kv_format]
     consumer, producers = src[: src.index("warpgroup_reg_dealloc")], producer_code(src)
     assert decode + "((" in producers and decode + "((" not in consumer, "the decode belongs to the producers"
-    assert "__tl_cvt" not in src and "cvt." not in producers, f"{cfg.name}: a conversion instruction in the decode"
+    assert "__tl_cvt" not in producers and "cvt." not in producers, f"{cfg.name}: a conversion instruction in the decode"
     assert "wgmma" not in producers, "the decoders must not issue MMAs"
     # one 16-byte (fp8) / 8-byte (mxfp4) vector load per 16 codes, nine per thread and tile: the prologue's two
     # tiles, and the rolling prefetch of the tile two ahead (once per ring stage)
     load = "mla_ld_global_16((" if cfg.kv_format == "fp8" else "mla_ld_global_8(("
     assert producers.count(load) == 4 * 9, f"{cfg.name}: expected 9 vector loads per tile"
-    # No barrier that the consumer takes part in (it would stall the MMAs on the decode). TileLang puts a named
-    # barrier of the decoders alone between chunks of a split's last two tiles (no prefetch there): tolerated.
-    assert "__syncthreads" not in producers and "__sync_thread_partial(3, 128)" not in producers, (
-        f"{cfg.name}: a barrier between the decoders and the consumer")
-    assert producers.count("__sync_thread_partial") <= 2 * 9, f"{cfg.name}: barriers among the decoders in every tile"
+    # No barrier that the consumer takes part in (it would stall the MMAs on the decode). TileLang puts named
+    # barriers of the 256 decoders alone between chunks of some tiles (a known cost, docs/perf.md run 15).
+    assert "__syncthreads" not in producers, f"{cfg.name}: a CTA-wide barrier in the decoders' loop"
+    partial = re.findall(r"__sync_thread_partial\(\d+, (\d+)\)", producers)
+    assert all(int(n) == cfg.producer_groups * 128 for n in partial), f"{cfg.name}: a barrier with the consumer"
 
 
 def test_roles_have_their_own_register_budgets(source):
