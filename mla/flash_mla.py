@@ -229,12 +229,14 @@ class _Run:
             fix_lse = True
         out, lse = self.launch.run(q.view(self.q_rows_shape), k_cache, self.qo_indptr, kv_indptr, block_table,
                                    descale_k, kv_block_scale, descale_q, sm_scale, None, None, True, self.ws)
-        lse = lse.view(self.lse_rows_shape).transpose(1, 2)  # (batch, h_q, s_q): a view, contiguous when s_q is 1
-        if self.s_q > 1:  # one kernel: the layout, and +inf where nothing is seen (nan_to_num keeps NaN and +inf)
-            lse = torch.nan_to_num(lse, nan=_NAN, posinf=_INF, neginf=_INF,
-                                   out=torch.empty(self.lse_shape, dtype=torch.float32, device=lse.device))
-        elif fix_lse:
-            lse = torch.nan_to_num(lse, nan=_NAN, posinf=_INF, neginf=_INF)
+        if self.s_q == 1:  # (batch, h_q) rows are (batch, h_q, 1) already: one view
+            lse = lse.view(self.lse_shape)
+            if fix_lse:  # +inf where nothing is seen (nan_to_num keeps NaN and +inf)
+                lse = torch.nan_to_num(lse, nan=_NAN, posinf=_INF, neginf=_INF)
+        else:  # one kernel: (batch, s_q, h_q) -> (batch, h_q, s_q), and +inf where nothing is seen
+            lse = torch.nan_to_num(lse.view(self.lse_rows_shape).transpose(1, 2), nan=_NAN, posinf=_INF,
+                                   neginf=_INF, out=torch.empty(self.lse_shape, dtype=torch.float32,
+                                                                device=lse.device))
         return out.view(self.out_shape), lse
 
 
