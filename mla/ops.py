@@ -56,8 +56,11 @@ def _is_registered(name: str) -> bool:
 
 def _run(q, kv_cache, qo_indptr, kv_indptr, kv_scale, kv_block_scale, q_scale, page_table, kv_format, q_format,
          sm_scale, causal, num_splits, out=None, lse=None):
-    """The real implementation: ``mla.decode.mla_decode`` with ``num_splits`` 0 meaning automatic."""
-    from mla.decode import mla_decode as decode  # deferred: it imports TileLang
+    """The real implementation: ``mla.launch.mla_decode`` (``mla.decode.mla_decode``) with ``num_splits`` 0 meaning
+    automatic."""
+    # Imported on the first real call, not at module level, only so that registering the ops loads no TileLang
+    # (mla.launch imports the kernels); mla.launch never imports this module, so there is no cycle to break.
+    from mla.launch import mla_decode as decode
 
     return decode(
         q,

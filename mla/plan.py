@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mla import validate
+from mla import validate, workspace
 from mla.constants import DEFAULT_SM_SCALE, KV_LORA_RANK
 from mla.launch import Launch, Workspace, kernels
 from mla.target import spec_for_device
@@ -75,8 +75,6 @@ class DecodePlan:
         return self._ws.lse_partial
 
     def _semaphores(self) -> torch.Tensor:
-        from mla import workspace
-
         return workspace.zeroed_int32(self.device, max(self.batch * self.num_heads, 1))  # >= batch x head groups
 
     def __repr__(self) -> str:
@@ -132,9 +130,26 @@ class DecodePlan:
                           q_scale, self.sm_scale, out, lse, return_lse, self._ws)
 
     def _prepare(self, key, q, kv_cache, kv_scale, kv_block_scale, q_scale, out, lse) -> Launch:
-        """Checks a run signature (the op's checks, and that it fits the plan) and prepares its launch."""
+        """Checks a run signature (the op's checks, and that it fits the plan), prepares its launch and keeps it."""
+        launch = self.prepare(q, kv_cache, kv_scale=kv_scale, kv_block_scale=kv_block_scale, q_scale=q_scale, out=out,
+                              lse=lse)
+        if key is not None:
+            if len(self._launches) >= MAX_SIGNATURES:
+                self._launches.clear()
+            self._launches[key] = launch
+        return launch
+
+    @property
+    def workspace(self) -> Workspace:
+        """The plan's split workspace, for ``Launch.run(..., ws=)`` (``mla.flash_mla`` runs a plan's launches with
+        the caller's block table)."""
+        return self._ws
+
+    def prepare(self, q, kv_cache, *, kv_scale=None, kv_block_scale=None, q_scale=None, out=None, lse=None) -> Launch:
+        """The ``Launch`` of one run signature: every check of ``mla_decode`` on these tensors, and that they fit
+        the plan (raising ValueError / TypeError naming the argument). Not kept: ``run`` keeps its own."""
         call = validate.check_call(q, kv_cache, self.qo_indptr, self.kv_indptr, kv_scale, kv_block_scale, None,
-                                   self.q_format, q_scale, paged=self.page_table is not None, out=out, lse=lse)
+                                   self.q_format, q_scale, paged=self.page_size > 0, out=out, lse=lse)
         if call.kv_format != self.kv_format:
             raise ValueError(f"kv_cache: this plan is for a {self.kv_format} cache, got a {call.kv_format} one")
         if call.num_heads != self.num_heads:
@@ -149,10 +164,6 @@ class DecodePlan:
                         overrides=self._overrides)
         if launch.fused and self._ws.semaphores is None:  # Q read in another form than planned: a fused variant
             self._ws = self._ws._replace(semaphores=self._semaphores())
-        if key is not None:
-            if len(self._launches) >= MAX_SIGNATURES:
-                self._launches.clear()
-            self._launches[key] = launch
         return launch
 
 

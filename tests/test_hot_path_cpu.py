@@ -42,7 +42,7 @@ def counted_checks(monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mla.decode, "check_call", counting)
+    monkeypatch.setattr(mla.launch, "check_call", counting)
     monkeypatch.setattr(mla.validate, "check_call", counting)
     return calls
 
@@ -268,3 +268,41 @@ def test_import_mla_decode_registers_the_ops():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "mla.decode.default mla.decode_out.default" in result.stdout
+
+
+# --- the harness entry point --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad,error,message", [
+    (lambda d: (d[0], d[0], *d[2:]), TypeError, "data[1] (kv_data): expected a dict"),
+    (lambda d: d[:4], TypeError, "data: expected the harness tuple"),
+    (lambda d: (d[0], {"fp8": None}, *d[2:]), ValueError, "kv_data: no 'bf16' entry"),
+], ids=["tensor_for_kv_data", "four_items", "no_bf16_entry"])
+def test_custom_kernel_names_a_malformed_harness_tuple(bad, error, message):
+    """A tensor where the kv_data dict belongs was a torch deprecation warning and an IndexError."""
+    q, kv, qo, kvp = flat_inputs([5, 6, 7])
+    data = (q, {"bf16": kv}, qo, kvp, {"sm_scale": 0.1})
+    mla.decode.custom_kernel(data)  # the well-formed tuple runs
+    with pytest.raises(error, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        mla.decode.custom_kernel(bad(data))
+
+
+def test_no_module_level_import_cycle():
+    """mla.launch (the eager call) imports none of mla.decode / mla.harness / mla.ops / mla.plan; mla.harness and
+    mla.plan import mla.launch at module level; no function of the package imports one of those four."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(mla.decode.__file__).parent
+    hub = {"mla.decode", "mla.harness", "mla.ops", "mla.plan", "mla.flash_mla"}
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.ImportFrom) and inner.module:
+                        names = {inner.module} | {f"{inner.module}.{a.name}" for a in inner.names}
+                        assert not names & hub, f"{path.name}:{inner.lineno} imports {names & hub} inside a function"
+    launch_src = (root / "launch.py").read_text()
+    for name in ("mla.decode", "mla.harness", "mla.ops", "mla.plan", "mla.flash_mla"):
+        assert f"from {name} " not in launch_src and f"import {name}" not in launch_src

@@ -5,7 +5,8 @@ kernel launches (signature lookup, allocations, argument packing; a meta tensor 
 on the GPU host a launch adds the tvm-ffi call itself and CUDA allocations cost more than meta ones, which
 ``--device cuda`` measures (real kernels, real tensors; the GPU may then be the limit: see bench.py's host table).
 
-    python tools/host_cost.py                       # every mode, flat and paged (page 64), eager and plan, 4 x 1024
+    python tools/host_cost.py                       # every mode, flat and paged (page 64), eager, plan and (paged)
+                                                    # flash_mla_with_kvcache with reused metadata, 4 x 1024
     python tools/host_cost.py --calls 20000 --batch 64 --kv-len 8192
     python tools/host_cost.py --profile bf16        # cProfile of the eager bf16 call (top 25 by own time)
     python tools/host_cost.py --device cuda --profile bf16      # the same with real kernels (GPU host)
@@ -85,8 +86,10 @@ def per_call_us(fn, calls: int) -> float:
 
 
 def callables(mode: str, args, page_size: int):
-    """{"eager": the mla_decode call, "plan": the DecodePlan.run call} for one mode."""
+    """{"eager": the mla_decode call, "plan": the DecodePlan.run call, and for a paged cache "flash": the
+    ``mla.flash_mla.flash_mla_with_kvcache`` call with reused metadata} for one mode."""
     from mla.decode import mla_decode, plan
+    from mla.flash_mla import MLAMetadata, flash_mla_with_kvcache, get_mla_metadata
 
     q, kv, qo, kvp, kwargs, table = inputs(mode, args.batch, args.kv_len, args.heads, page_size)
     kv_lens = [args.kv_len] * args.batch
@@ -103,7 +106,25 @@ def callables(mode: str, args, page_size: int):
     def planned():
         return the_plan.run(q, kv, **run_kwargs)
 
-    return {"eager": eager, "plan": planned}
+    fns = {"eager": eager, "plan": planned}
+    if page_size:
+        seqlens = torch.full((args.batch,), args.kv_len, dtype=torch.int32, device=DEVICE)
+        # On meta tensors the lengths cannot be read back: the metadata is given them (as get_mla_metadata's old
+        # pattern reads them); on cuda, FlashMLA's current pattern (filled by the first call).
+        meta = MLAMetadata(kv_lens) if DEVICE == "meta" else get_mla_metadata()[0]
+        q4 = q.view(args.batch, 1, args.heads, 576)
+        flash_kw = {"descale_k": kwargs["kv_scale"]} if "kv_scale" in kwargs else {}
+        if "kv_block_scale" in kwargs:
+            flash_kw["kv_block_scale"] = kwargs["kv_block_scale"]
+        if kwargs["q_format"] == "fp8":
+            flash_kw["q_format"] = "fp8"
+
+        def flash():
+            return flash_mla_with_kvcache(q4, kv, table, seqlens, 512, meta, is_fp8_kvcache=kwargs["kv_format"] == "fp8",
+                                          **flash_kw)
+
+        fns["flash"] = flash
+    return fns
 
 
 def main(argv=None) -> int:
@@ -146,13 +167,15 @@ def main(argv=None) -> int:
     what = "meta tensors, no-op launchers" if DEVICE == "meta" else "CUDA tensors, real kernels"
     print(f"host cost per call, us ({what}; batch {args.batch} x kv {args.kv_len}, "
           f"{args.heads} heads, median of {ROUNDS} x {args.calls} calls)")
-    print(f"  {'mode':<6} {'layout':<8} {'eager':>8} {'plan':>8}")
+    print(f"  {'mode':<6} {'layout':<8} {'eager':>8} {'plan':>8} {'flash':>8}   (flash: flash_mla_with_kvcache, "
+          "reused metadata; paged only)")
     for mode in args.modes.split(","):
         for page_size in (0, args.page_size) if args.page_size else (0,):
             fns = callables(mode, args, page_size)
             eager, planned = per_call_us(fns["eager"], args.calls), per_call_us(fns["plan"], args.calls)
+            flash = f"{per_call_us(fns['flash'], args.calls):8.2f}" if "flash" in fns else f"{'-':>8}"
             layout = f"page{page_size}" if page_size else "flat"
-            print(f"  {mode:<6} {layout:<8} {eager:8.2f} {planned:8.2f}", flush=True)
+            print(f"  {mode:<6} {layout:<8} {eager:8.2f} {planned:8.2f} {flash}", flush=True)
     return 0
 
 
