@@ -561,7 +561,7 @@ def test_tile_valu_within_budget(kv_format):
     for r in records:
         assert r["waves_per_cu"] >= 8 and r["spills"] == 0 and r["scratch_bytes"] == 0, r["name"]
         assert r["vmcnt0_between_loads"] == 0 and r["byte_loads"] == 0 and r["ds_read_u16"] == 0, r["name"]
-        assert r["budget_ratio"] == round(r["valu_per_tile"] / r["tile_budget"], 3), r["name"]
+        assert abs(r["budget_ratio"] - r["valu_per_tile"] / r["tile_budget"]) < 2e-3, r["name"]  # budget stored rounded
     over = {r["name"]: r["valu_per_tile"] for r in records if r["valu_per_tile"] > TILE_VALU_TARGET[kv_format]}
     if kv_format in TILE_VALU_BLOCKED:
         assert over, f"{kv_format} meets the target now: drop it from TILE_VALU_BLOCKED"
