@@ -124,7 +124,7 @@ class DecodeKernelConfig:
     def shared_bytes(self) -> int:
         """Shared memory (LDS) the kernel allocates, in bytes."""
         if self.dim_split:  # per wave: its V^T slice (64 dims x 32 tokens bf16) and its partial scores (fp32)
-            return DS_WAVES * (DS_DIMS * self.block_n * 2 + DS_LANES * DS_SCORES * 4)
+            return DS_WAVES * (DS_DIMS * self.block_n * 2 + DS_LANES * DS_SCORES * 4) + DS_LANES * DS_SCORES * 4
         kv_cols, _ = _kv_storage(self)
         bf16_tile = 2 * QK_DIM * self.block_n
         if self.kv_format == "bf16":
@@ -562,6 +562,8 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
     both operands use the same one."""
     from tilelang.rocm.language.tir import tvm_mfma
 
+    from tl_kernels import dequant_hip
+
     heads, block_h, block_n = cfg.num_heads, cfg.block_h, cfg.block_n
     head_groups = heads // block_h
     kv_cols, kv_dtype = _kv_storage(cfg)
@@ -581,6 +583,9 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
         qk_mfma, qk_vec, qk_k = "f32_16x16x16bf16_1k", "bfloat16x4", 4
     qk_steps = 16 // qk_k  # MFMA k-steps per 16-dim lane slice
     raw_operand = cfg.kv_format == "bf16" or cfg.fp8_mfma  # the loaded bytes are the K operand as they are
+    # Dim of element e of a lane's 16 decoded elements: the mxfp4 decode pairs codes (k, k + 4) of each word
+    # (dequant_hip.E2M1_ORDER); Q is loaded in the same order and V^T rows are written by their true dim.
+    order = dequant_hip.e2m1_order if mx else (lambda e: e)
     total_q, indptr_len, scale_len = dims["total_q"], dims["indptr_len"], dims["scale_len"]
     num_splits = dims["num_splits"]
     ln2 = 0.6931471805599453
@@ -623,12 +628,18 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
     @T.macro
     def load_q(st, ch, Q, row, head):
         # The lane's Q slice of chunk ch (head m; dims 16g .. 16g + 15 of the chunk), once per query pass.
-        for e in T.vectorized(16):
-            value = Q[row, head, chunk_col(st, ch) + e]
-            if cfg.q_format == "fp8":
-                scaled = T.cast(T.cast(T.cast(value, f32) / st.q_scale, bf16), f32)
-                value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
-            st.q_op[ch, e] = T.cast(value, op_dtype)
+        if mx:  # in the decode's element order (a register permute of one vector load)
+            for e in T.vectorized(16):
+                st.q_tmp[e] = Q[row, head, chunk_col(st, ch) + e]
+            for e in T.unroll(16):
+                st.q_op[ch, e] = st.q_tmp[order(e)]
+        else:
+            for e in T.vectorized(16):
+                value = Q[row, head, chunk_col(st, ch) + e]
+                if cfg.q_format == "fp8":
+                    scaled = T.cast(T.cast(T.cast(value, f32) / st.q_scale, bf16), f32)
+                    value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
+                st.q_op[ch, e] = T.cast(value, op_dtype)
 
     @T.macro
     def load_chunk(st, b, slot, t, j, ch):
@@ -653,33 +664,25 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
         # for the previous tile with nothing else in flight).
         T.evaluate(T.call_extern("handle", "__builtin_amdgcn_sched_barrier", 0))
 
-    def mx_value(st, b, ch, j, e):
-        """Element e of the lane's 16 mxfp4 dims as fp32 (as ``mxfp4_element``: exact)."""
-        byte = T.cast(st.kv_raw[b, ch, j, e // 2], "int32")
-        code = T.shift_right(byte, (e % 2) * 4) & 15
-        half_bits = T.shift_left(code & 8, 12) | T.shift_left(code & 7, 9)
-        magnitude = T.cast(T.reinterpret(T.cast(half_bits, "uint16"), "float16"), f32)
-        sc = T.cast(T.shift_right(st.sc_word[b, ch, j], T.cast(st.sc_shift[b, ch, j], "uint32")) & T.uint32(255), "int32")
-        scale = T.if_then_else(
-            sc == 0,
-            T.float32(5.877471754111438e-39),
-            T.reinterpret(T.if_then_else(sc == 255, 0x7FC00000, T.shift_left(sc, 23)), f32),
-        )
-        return magnitude * 16384.0 * scale
+    def scale_byte(st, b, ch, j):
+        """mxfp4: the e8m0 byte of the lane's 16 dims of chunk ch, token j."""
+        return T.shift_right(st.sc_word[b, ch, j], T.cast(st.sc_shift[b, ch, j], "uint32"))
 
-    def bf16_value(st, b, ch, j, e):
-        """Element e of the lane's 16 dims of chunk ch, token j, as bf16 (exact for every format)."""
+    @T.macro
+    def decode(st, dst, b, ch, j):
+        # The lane's 16 elements of chunk ch, token j, as bf16 (exact for every format): one device function call
+        # on whole words (tl_kernels/dequant_hip.py).
         if mx:
-            return T.cast(mx_value(st, b, ch, j, e), bf16)
-        return T.cast(st.kv_raw[b, ch, j, e], bf16)
+            dequant_hip.e2m1x16_to_bf16(T.address_of(dst[j, 0]), T.address_of(st.kv_raw[b, ch, j, 0]), scale_byte(st, b, ch, j))
+        else:
+            dequant_hip.fp8x16_to_bf16(T.address_of(dst[j, 0]), T.address_of(st.kv_raw[b, ch, j, 0]))
 
     @T.macro
     def qk_chunk(st, b, ch):
         # S^T partial (token slot, head) += K Q^T over the 16 dims of each of the 4 lane groups.
         if not raw_operand:
             for j in T.unroll(2):
-                for e in T.unroll(16):
-                    st.k_op[j, e] = bf16_value(st, b, ch, j, e)
+                decode(st, st.k_op, b, ch, j)
         for j in T.unroll(2):
             for a in T.unroll(qk_steps):
                 if raw_operand:
@@ -697,23 +700,31 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
         for i in T.unroll(DS_SCORES):
             st.s_acc[i] = 0
         qk_chunk(st, b, 0)
-        # V^T of the wave's latent dims, bf16, tokens contiguous: 2 tokens per 4-byte write.
+        # V^T of the wave's latent dims, bf16, tokens contiguous: 2 tokens per 4-byte write (one permute per pair).
+        if cfg.kv_format == "bf16":
+            dequant_hip.pair_tokens(T.address_of(st.v_pairs[0]), T.address_of(st.kv_raw[b, 0, 0, 0]), T.address_of(st.kv_raw[b, 0, 1, 0]))
+        else:
+            if raw_operand:  # a8w8: K went to the fp8 MFMA as loaded; V needs bf16
+                for j in T.unroll(2):
+                    decode(st, st.k_op, b, 0, j)
+            dequant_hip.pair_tokens(T.address_of(st.v_pairs[0]), T.address_of(st.k_op[0, 0]), T.address_of(st.k_op[1, 0]))
         for e in T.unroll(16):
-            for j in T.unroll(2):
-                st.v_pair[j] = st.k_op[j, e] if not raw_operand else bf16_value(st, b, 0, j, e)
             for j in T.vectorized(2):
-                st.VT[st.wave, st.g * 16 + e, ds_vt_col(st.g * 16 + e, ds_token(st.m, 0)) + j] = st.v_pair[j]
+                st.VT[st.wave, st.g * 16 + order(e), ds_vt_col(st.g * 16 + order(e), ds_token(st.m, 0)) + j] = st.v_pairs[2 * e + j]
         if st.wave == 0:
             qk_chunk(st, b, 1)
         for i in T.vectorized(DS_SCORES):
             st.S_part[st.wave, st.lane, i] = st.s_acc[i]
         T.sync_threads()
-        # Stage 3: the full scores (every wave sums the 8 partials), scaled, masked.
-        for i in T.unroll(DS_SCORES):
-            st.s_tot[i] = 0
+        # Stage 3: the full scores, reduce-scattered: wave w sums score w of every lane over the 8 partials (7 adds
+        # instead of 56 per wave), the 8 sums meet in LDS, every wave reads its lanes' 8 (two 16-byte reads).
+        st.s_sum[0] = 0
         for w in T.unroll(DS_WAVES):
-            for i in T.unroll(DS_SCORES):
-                st.s_tot[i] += st.S_part[w, st.lane, i]
+            st.s_sum[0] += st.S_part[w, st.lane, st.wave]
+        st.S_tot[st.lane, st.wave] = st.s_sum[0]
+        T.sync_threads()
+        for i in T.vectorized(DS_SCORES):
+            st.s_tot[i] = st.S_tot[st.lane, i]
         horizon = st.split_hi
         if cfg.causal:
             horizon = T.min(st.split_hi, st.kv_len - st.q_len + q_pass + 1)
@@ -738,8 +749,8 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
         for i in T.unroll(16):
             st.acc_o[i] *= st.rescale[0]
         for s in T.unroll(2):
-            for c in T.unroll(4):
-                st.p_op[s * 4 + c] = T.cast(st.s_tot[ds_p_score(s, c)], bf16)
+            for h in T.unroll(2):
+                dequant_hip.pack_bf16x2(T.address_of(st.p_op[s * 4 + 2 * h]), st.s_tot[ds_p_score(s, 2 * h)], st.s_tot[ds_p_score(s, 2 * h + 1)])
         # Stage 5: O^T (dims, heads) += V^T P^T, 4 blocks of 16 dims, 2 k-steps of 16 tokens.
         for nt in T.unroll(4):
             for v in T.vectorized(8):
@@ -753,16 +764,19 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
     @T.macro
     def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, Out, LSE):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
-            T.import_source(_DS_HIP_HELPERS)
+            T.import_source(_DS_HIP_HELPERS + dequant_hip.HIP_SOURCE)
             VT = T.alloc_shared([DS_WAVES, DS_DIMS, block_n], bf16)  # per wave: V^T of its 64 latent dims
             S_part = T.alloc_shared([DS_WAVES, DS_LANES, DS_SCORES], f32)  # per wave: its partial scores
+            S_tot = T.alloc_shared([DS_LANES, DS_SCORES], f32)  # the tile's scores, [lane, score]
+            s_sum = T.alloc_local([1], f32)
             kv_raw = T.alloc_local([2, 2, 2, lane_elems], kv_dtype)  # [ping-pong buffer, chunk, token j, element]
             sc_word = T.alloc_local([2, 2, 2], "uint32")  # mxfp4: dword holding the lane's scale byte
             sc_shift = T.alloc_local([2, 2, 2], "int32")  # mxfp4: bit offset of that byte in the dword
             rows = T.alloc_local([2, 2], "int32")  # paged: page numbers [tile parity, token j]
             q_op = T.alloc_local([2, 16], op_dtype)  # [chunk (latent, rope), dim]
-            k_op = T.alloc_local([2, 16], op_dtype)  # converted K operand [token j, dim] of one chunk
-            v_pair = T.alloc_local([2], bf16)
+            k_op = T.alloc_local([2, 16], bf16)  # decoded K (a8w8: V) elements [token j, element] of one chunk
+            v_pairs = T.alloc_local([32], bf16)  # [2 e + j]: element e of token j (V^T pairs)
+            q_tmp = T.alloc_local([16], bf16)  # mxfp4: Q slice before the permute into the decode's order
             s_acc = T.alloc_local([DS_SCORES], f32)  # MFMA result: [j * 4 + r] = S(head m, token 8g + 2r + j)
             s_tot = T.alloc_local([DS_SCORES], f32)
             p_op = T.alloc_local([8], bf16)  # [s * 4 + c] = P(head m, token 8g + 4s + c)
@@ -798,9 +812,9 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
             out_scale = T.alloc_var(f32, init=KV_scale[0])
             st = SimpleNamespace(
                 wave=wave, g=g, m=m, lane=lane, kv_raw=kv_raw, sc_word=sc_word, sc_shift=sc_shift, rows=rows, q_op=q_op,
-                k_op=k_op, v_pair=v_pair, s_acc=s_acc, s_tot=s_tot, p_op=p_op, v_op=v_op, acc_o=acc_o, split_lo=split_lo,
+                k_op=k_op, v_pairs=v_pairs, q_tmp=q_tmp, s_acc=s_acc, s_tot=s_tot, p_op=p_op, v_op=v_op, acc_o=acc_o, split_lo=split_lo,
                 split_hi=split_hi, kv_begin=kv_begin, kv_len=kv_len, q_len=q_len, seq_id=seq_id, Page_table=Page_table,
-                KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, score_scale=score_scale, q_scale=q_scale, VT=VT, S_part=S_part,
+                KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, score_scale=score_scale, q_scale=q_scale, VT=VT, S_part=S_part, S_tot=S_tot, s_sum=s_sum,
                 row_max_new=row_max_new, row_max=row_max, row_safe=row_safe, rescale=rescale, row_sum=row_sum,
                 denom=denom,
             )

@@ -26,6 +26,7 @@ upstream LLVM, not AMD's compiler: indicative. Nothing here runs a kernel.
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import os
@@ -43,6 +44,15 @@ VGPRS_PER_LANE = 512  # gfx90a / gfx942 wave64: one unified file of arch VGPRs +
 VGPR_GRANULE = 8
 MAX_WAVES_PER_SIMD = 8
 SIMDS_PER_CU = 4
+# Issue 16: what an MI300X issues while HBM delivers one 32-token KV tile. 304 CUs at 2.1 GHz and 5.3 TB/s: about
+# 8.3 bytes per clock per CU; the VALU retires about one wave64 instruction per clock per CU (4 SIMDs, 4 clocks each),
+# so the tile budget in VALU wave-instructions is the tile's bytes / 8.3. Target: VALU per tile <= 60% of it.
+HBM_BYTES_PER_CLK_PER_CU = 5.3e12 / (304 * 2.1e9)
+TILE_TOKENS = 32
+TILE_BYTES = {"bf16": TILE_TOKENS * 576 * 2, "fp8": TILE_TOKENS * 576, "mxfp4": TILE_TOKENS * (288 + 18)}
+BUDGET_TARGET = 0.6
+TILES_PER_TRIP = 2  # the dim_split KV loop is unrolled by two tiles
+WAVES_PER_TILE = 8  # the 8 wave64s of a workgroup share each tile
 FIELDS = ("name", "vgpr", "agpr", "sgpr", "scratch_bytes", "spills", "lds_bytes", "threads", "waves_per_cu", "mfma",
           "vmcnt0_in_loop", "byte_loads", "ds_read_u16")
 
@@ -125,6 +135,8 @@ BYTE_LOAD = re.compile(r"^\s+(?:global|buffer|flat)_load_(?:u|s)byte")
 NARROW_DS = re.compile(r"^\s+ds_read_(?:u16|i16|u8|i8)\w*")
 VMCNT0 = re.compile(r"^\s+s_waitcnt\b.*\bvmcnt\(0\)")
 MFMA = re.compile(r"^\s+v_mfma\w*")
+SALU = re.compile(r"^\s+s_\w+")
+SALU_NOT_ISSUE = re.compile(r"^\s+s_(?:nop|waitcnt|barrier|cbranch_\w+|branch|setprio|sleep|endpgm)\b")
 
 
 def kv_loop(lines: list[str]) -> list[int] | None:
@@ -221,8 +233,23 @@ def analyse(dis: str, notes: str) -> dict:
         cvt_in_loop=sum(1 for x in body if re.match(r"^\s+v_cvt", x)),
         lds_ops_in_loop=sum(1 for x in body if re.match(r"^\s+ds_", x)),
         barriers_in_loop=sum(1 for x in body if re.match(r"^\s+s_barrier", x)),
+        salu_in_loop=sum(1 for x in body if SALU.match(x) and not SALU_NOT_ISSUE.match(x)),
+        valu_kinds_in_loop=dict(sorted(collections.Counter(
+            m.group(1) for m in (re.match(r"^\s+(v_(?!mfma)\w+)", x) for x in body) if m).items())),
     )
     return res
+
+
+def tile_budget(res: dict, cfg) -> None:
+    """Issue 16's per-tile fields, from one KV loop trip (two tiles, each worked on by the 8 waves): VALU and SALU
+    wave-instructions per 32-token tile (static: every instruction of the trip counted for every wave, so wave 0's
+    rope branch counts eight times: an upper bound), the format's budget and their ratio."""
+    if res.get("valu_in_loop") is None or not getattr(cfg, "dim_split", False):
+        return
+    per_tile = WAVES_PER_TILE / TILES_PER_TRIP
+    budget = TILE_BYTES[cfg.kv_format] / HBM_BYTES_PER_CLK_PER_CU
+    res.update(valu_per_tile=round(res["valu_in_loop"] * per_tile), salu_per_tile=round(res["salu_in_loop"] * per_tile),
+               tile_budget=round(budget), budget_ratio=round(res["valu_in_loop"] * per_tile / budget, 3))
 
 
 def occupancy(vgpr_total, lds_bytes: int, threads: int) -> dict:
@@ -251,6 +278,7 @@ def report_variant(cfg, spec, out: Path, tc: dict) -> dict:
         return res
     res.update(analyse(dis, notes))
     res.update(occupancy(res.get("vgpr_total"), res["lds_bytes"], cfg.threads))
+    tile_budget(res, cfg)
     res["ok"] = True
     return res
 
@@ -268,17 +296,18 @@ def markdown(results: list[dict], meta: dict) -> str:
         f"{len(results)} variants, {sum(r.get('ok', False) for r in results)} compiled.",
         "",
         "| variant | VGPR | AGPR | SGPR | scratch | spills | LDS B | thr | waves/CU | mfma | vmcnt0 in loop "
-        "(between loads) | loads in loop | byte loads | ds_read_u16 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(between loads) | loads in loop | byte loads | ds_read_u16 | VALU/tile | SALU/tile | budget | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if not r.get("ok"):
-            lines.append(f"| `{short(r['name'])}` | **{r.get('error', 'failed')[:120]}** |" + " |" * 13)
+            lines.append(f"| `{short(r['name'])}` | **{r.get('error', 'failed')[:120]}** |" + " |" * 17)
             continue
         cells = [r.get(k) for k in ("vgpr", "agpr", "sgpr", "scratch_bytes", "spills", "lds_bytes", "threads",
                                     "waves_per_cu", "mfma")]
         cells.append(f"{r.get('vmcnt0_in_loop')} ({r.get('vmcnt0_between_loads')})")
-        cells += [r.get("global_loads_in_loop"), r.get("byte_loads"), r.get("ds_read_u16")]
+        cells += [r.get("global_loads_in_loop"), r.get("byte_loads"), r.get("ds_read_u16"), r.get("valu_per_tile"),
+                  r.get("salu_per_tile"), r.get("tile_budget"), r.get("budget_ratio")]
         lines.append(f"| `{short(r['name'])}` | " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     decode = [r for r in results if r.get("ok") and r["name"].startswith("mla_decode")]
     if decode:
@@ -307,6 +336,8 @@ def targets(results: list[dict]) -> list[str]:
                   "0 scratch": r.get("scratch_bytes") == 0, "LDS <= 64 KiB": r.get("lds_bytes", 0) <= LDS_PER_CU,
                   "no vmcnt(0) between loads in the KV loop": r.get("vmcnt0_between_loads") == 0,
                   "no byte loads": r.get("byte_loads") == 0, "no ds_read_u16": r.get("ds_read_u16") == 0}
+        if r.get("budget_ratio") is not None and "_h16_" in r["name"] and "_qt1_" in r["name"]:
+            checks[f"VALU per tile <= {BUDGET_TARGET:.0%} of the tile budget"] = r["budget_ratio"] <= BUDGET_TARGET
         misses += [f"{r['name']}: {k}" for k, ok in checks.items() if not ok]
     return misses
 
@@ -351,7 +382,8 @@ def main() -> int:
         t0 = time.perf_counter()
         r = report_variant(cfg, spec, args.out, tc)
         results.append(r)
-        print(f"[{i}/{len(cfgs)}] {r['name']}: " + (", ".join(f"{k}={r.get(k)}" for k in FIELDS[1:] + ("vmcnt0_between_loads",))
+        print(f"[{i}/{len(cfgs)}] {r['name']}: " + (", ".join(f"{k}={r.get(k)}" for k in FIELDS[1:] + (
+            "vmcnt0_between_loads", "valu_per_tile", "salu_per_tile", "tile_budget", "budget_ratio"))
               if r.get("ok") else r.get("error", "failed")) + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     md = markdown(results, meta)
     print(md)

@@ -1,0 +1,155 @@
+"""KV decode for gfx942 (MI300X) as HIP device functions: fp8 e4m3fnuz and mxfp4 (e2m1 + e8m0) codes to bf16 MFMA
+operands, on whole 32-bit words. Same design as the CUDA module (``tl_kernels/dequant.py``: bit placement, scales
+folded where they are applied anyway), one device function per target; this module is self-contained.
+
+Bit layouts (a "pair" is one 32-bit word holding two bf16: element 0 in bits 0..15, element 1 in bits 16..31):
+
+e4m3fnuz -> bf16 (``mla_hip_fp8x16_to_bf16``: 16 codes, four words, to 8 pairs, element order kept)
+    MI300X has a packed conversion, ``v_cvt_pk_f32_fp8`` (two fnuz codes of a word's low or high half to two f32,
+    exact), and a byte permute (``v_perm_b32``) that takes the top half-words of two f32: that top half is the bf16
+    of the value, exactly (e4m3 has 3 mantissa bits). Two instructions per pair, no scale, fnuz's NaN code (0x80)
+    stays NaN. The bit-placement alternative (``mla_hip_fp8x16_to_bf16_bits``, kept for the comparison of
+    docs/gfx942.md): a permute puts the two bytes in the high byte of each half-word, the sign stays bit 15 and
+    the 7 exponent + mantissa bits move right by 4 into bf16's exponent / mantissa fields; the half-word is then
+    exactly ``code value * 2^-119`` (fnuz's exponent bias is 8, not e4m3fn's 7: 127 - 8 = 119; subnormals land on
+    bf16 subnormals), and 2^119 would be folded into the score scale (K) and the output scale (V)
+    (``FP8_FNUZ_BITS_FACTOR``). It costs four instructions per pair (permute, shift, AND, AND-OR), so on gfx942 the
+    conversion instruction wins; the kernel uses ``mla_hip_fp8x16_to_bf16``.
+
+e2m1 x e8m0 -> bf16 (``mla_hip_e2m1x16_to_bf16``: 16 codes, two words, plus the block's e8m0 byte e)
+    Nibble i of a word is element i. The pair k of a word (k < 4) takes nibbles k and k + 4, which sit 16 bits
+    apart, so one shift of the word moves both: the nibble's sign goes to bit 15 (31), its two exponent bits and
+    its mantissa bit to bits 8..6 (24..22), i.e. bf16 exponent field 0..3: the half-word is exactly
+    ``code value * 2^-126`` (the e2m1 subnormal 0.5 lands on a bf16 subnormal). The block factor is 2^(e - 127)
+    and would take the half-word to the stored value with one multiply by 2^(e - 1); gfx942 has no bf16
+    arithmetic, and 2^(e - 1) is no bf16 / f32 for e > 128, so each pair is widened to two f32 (one shift, one
+    AND), multiplied by 2^126 (exact: the e2m1 value) and by 2^(e - 127) (one packed f32 multiply each), and the
+    top halves are packed back (one permute; exact: the products have 2 significant bits, subnormal or not). The
+    factor 2^(e - 127) covers the whole e8m0 range: e = 0 is 2^-127 (an f32 subnormal), e = 255 is NaN, as in
+    ``tl_kernels.mla_decode.mxfp4_element``. Element order: output pair (4 w + k) holds codes (8 w + k, 8 w + k + 4),
+    ``E2M1_ORDER`` lists the code of each output element; Q is loaded in the same order (Q K^T is a reduction, and
+    V^T rows are written by their true dim).
+
+Helpers: ``mla_hip_pair_tokens`` transposes the 8 pairs of two tokens into 8 + 8 (dim: token 0, token 1) pairs for
+the V^T slice (one permute per output word); ``mla_hip_pack_bf16x2`` rounds two f32 to a bf16 pair (to nearest,
+ties away from zero; P of the P V MFMA, finite in [0, 1]).
+
+Instruction counts per element (gfx942 code objects, ``tools/gfx942_report.py``): see docs/gfx942.md.
+"""
+
+import tilelang.language as T
+
+CHUNK = 16  # codes per decode call: one 16-byte fp8 vector, one 8-byte mxfp4 vector (one e8m0 block half)
+FP8_FNUZ_BITS_FACTOR = 2.0**119  # mla_hip_fp8x16_to_bf16_bits yields code * 2^-119 (fnuz bias 8)
+E2M1_BF16_FACTOR = 2.0**126  # the placed e2m1 half-word is code * 2^-126
+# Output element e of mla_hip_e2m1x16_to_bf16 holds code E2M1_ORDER[e] of its 16 (pair k of word w: codes 8w + k, 8w + k + 4).
+def e2m1_order(e):
+    """Code (of 16) held by output element e of mla_hip_e2m1x16_to_bf16; ints or TIR expressions."""
+    return 8 * (e // 8) + (e % 8) // 2 + 4 * (e % 2)
+
+
+E2M1_ORDER = tuple(e2m1_order(e) for e in range(CHUNK))
+
+HIP_SOURCE = r"""
+typedef float mla_hip_f32x2 __attribute__((ext_vector_type(2)));
+// The top half-words of two f32 as one pair (a: bits 0..15), one v_perm_b32. Takes scalars: clang's
+// __builtin_bit_cast of a vector element (v.y) reads element 0 (seen with clang 19), so elements are copied first.
+static __device__ inline __attribute__((always_inline)) unsigned mla_hip_top_halves(float a, float b) {
+  return __builtin_amdgcn_perm(__builtin_bit_cast(unsigned, b), __builtin_bit_cast(unsigned, a), 0x07060302u);
+}
+// 16 e4m3fnuz codes (4 words) -> 8 bf16 pairs, element order kept, exact: v_cvt_pk_f32_fp8 + v_perm_b32 per pair.
+static __device__ inline __attribute__((always_inline)) void mla_hip_fp8x16_to_bf16(void* dst, const void* src) {
+  const unsigned* in = (const unsigned*)src;
+  unsigned* out = (unsigned*)dst;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const mla_hip_f32x2 lo = __builtin_amdgcn_cvt_pk_f32_fp8((int)in[w], false);
+    const mla_hip_f32x2 hi = __builtin_amdgcn_cvt_pk_f32_fp8((int)in[w], true);
+    out[2 * w] = mla_hip_top_halves(lo.x, lo.y);
+    out[2 * w + 1] = mla_hip_top_halves(hi.x, hi.y);
+  }
+}
+// The bit-placement alternative (not used by the kernel): pairs hold code * 2^-119 (fnuz), element order kept.
+static __device__ inline __attribute__((always_inline)) void mla_hip_fp8x16_to_bf16_bits(void* dst, const void* src) {
+  const unsigned* in = (const unsigned*)src;
+  unsigned* out = (unsigned*)dst;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // bytes 2h, 2h + 1 into the high byte of each half-word (selector 0x0c: zero byte)
+      unsigned y = __builtin_amdgcn_perm(0u, in[w], h ? 0x030c020cu : 0x010c000cu);
+      out[2 * w + h] = ((y >> 4) & 0x07f007f0u) | (y & 0x80008000u);
+    }
+  }
+}
+// e8m0 byte -> 2^(e - 127) as f32, exact over the whole range: e = 0 -> 2^-127 (subnormal), e = 255 -> NaN.
+static __device__ inline __attribute__((always_inline)) float mla_hip_e8m0_to_f32(unsigned e) {
+  e &= 255u;
+  return __builtin_bit_cast(float, (e << 23) | ((e == 0u || e == 255u) ? 0x00400000u : 0u));
+}
+// 16 e2m1 codes (2 words) with e8m0 block byte e -> 8 bf16 pairs of the stored values (code * 2^(e - 127)),
+// pair (4 w + k) = codes (8 w + k, 8 w + k + 4).
+static __device__ inline __attribute__((always_inline)) void mla_hip_e2m1x16_to_bf16(void* dst, const void* src, unsigned e) {
+  const unsigned* in = (const unsigned*)src;
+  unsigned* out = (unsigned*)dst;
+  const float f = mla_hip_e8m0_to_f32(e);
+  const mla_hip_f32x2 scale = {f, f};
+  const mla_hip_f32x2 unplace = {0x1p126f, 0x1p126f};
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const unsigned x = in[w];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      // magnitude bits of nibbles k, k + 4 -> bits 8..6 / 24..22; sign bits -> 15 / 31: code * 2^-126 per half
+      const unsigned mag = (k <= 1 ? x << (6 - 4 * k) : x >> (4 * k - 6)) & 0x01c001c0u;
+      const unsigned sgn = (x << (12 - 4 * k)) & 0x80008000u;
+      const unsigned p = mag | sgn;
+      mla_hip_f32x2 v = {__builtin_bit_cast(float, p << 16), __builtin_bit_cast(float, p & 0xffff0000u)};
+      v = v * unplace * scale;
+      out[4 * w + k] = mla_hip_top_halves(v.x, v.y);
+    }
+  }
+}
+// Two tokens' 8 pairs each (t0, t1: elements 2i, 2i + 1 of pair i) -> 16 pairs (element e: token 0, token 1).
+static __device__ inline __attribute__((always_inline)) void mla_hip_pair_tokens(void* dst, const void* t0, const void* t1) {
+  const unsigned* a = (const unsigned*)t0;
+  const unsigned* b = (const unsigned*)t1;
+  unsigned* out = (unsigned*)dst;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    out[2 * i] = __builtin_amdgcn_perm(b[i], a[i], 0x05040100u);
+    out[2 * i + 1] = __builtin_amdgcn_perm(b[i], a[i], 0x07060302u);
+  }
+}
+// Two f32 -> one bf16 pair, rounded to nearest (ties away from zero); for finite inputs and NaN (stays NaN).
+static __device__ inline __attribute__((always_inline)) void mla_hip_pack_bf16x2(void* dst, float a, float b) {
+  *(unsigned*)dst = __builtin_amdgcn_perm(__builtin_bit_cast(unsigned, b) + 0x8000u,
+                                          __builtin_bit_cast(unsigned, a) + 0x8000u, 0x07060302u);
+}
+"""
+
+
+def import_hip_source():
+    """Adds the device functions to the kernel's HIP source (call once inside ``T.Kernel``)."""
+    T.import_source(HIP_SOURCE)
+
+
+def fp8x16_to_bf16(dst, src):
+    """16 e4m3fnuz codes at ``src`` (address of a local fp8 / byte array) -> 16 bf16 at ``dst``, exact."""
+    return T.evaluate(T.call_extern("handle", "mla_hip_fp8x16_to_bf16", dst, src))
+
+
+def e2m1x16_to_bf16(dst, src, scale_byte):
+    """16 e2m1 codes (8 bytes) at ``src`` with the block's e8m0 byte -> 16 bf16 at ``dst`` in ``E2M1_ORDER``."""
+    return T.evaluate(T.call_extern("handle", "mla_hip_e2m1x16_to_bf16", dst, src, scale_byte))
+
+
+def pair_tokens(dst, t0, t1):
+    """16 bf16 of token 0 and of token 1 -> 16 (token 0, token 1) pairs at ``dst`` (32 bf16)."""
+    return T.evaluate(T.call_extern("handle", "mla_hip_pair_tokens", dst, t0, t1))
+
+
+def pack_bf16x2(dst, a, b):
+    """Two f32 -> a bf16 pair at ``dst`` (rounded to nearest)."""
+    return T.evaluate(T.call_extern("handle", "mla_hip_pack_bf16x2", dst, a, b))
