@@ -18,6 +18,7 @@ from mla.target import spec_for_name
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig
 
 H200 = spec_for_name("sm_90a")
+LOWERED_LDS = {}  # config -> dyn_shared_memory_buf of its lowered kernel (filled by the ``source`` fixture)
 CASES = [(mode, False, 0) for mode in MODES] + [("fp8", True, 0), ("mxfp4", False, 16), ("bf16", False, 64)]
 
 
@@ -26,7 +27,9 @@ def source(request):
     mode, causal, page_size = request.param
     kv_format, q_format = MODES[mode]
     cfg = schedule.ws_config(H200, kv_format=kv_format, q_format=q_format, causal=causal, page_size=page_size)
-    return cfg, jit.lower(cfg, H200).kernel_source
+    artifact = jit.lower(cfg, H200)
+    LOWERED_LDS[cfg] = jit.lowered_lds_bytes(artifact)
+    return cfg, artifact.kernel_source
 
 
 def producer_code(src: str) -> str:
@@ -89,7 +92,7 @@ def test_split_merge_is_fused(source):
 def test_shared_bytes_bound_the_lowered_allocation(source):
     """The schedule sizes occupancy and checks the limit with ``shared_bytes``: it must not undercount."""
     cfg, _ = source
-    lowered = jit.lowered_lds_bytes(jit.lower(cfg, H200))
+    lowered = LOWERED_LDS[cfg]
     assert lowered <= cfg.shared_bytes <= H200.smem_bytes, (cfg.name, lowered, cfg.shared_bytes)
 
 
