@@ -4,7 +4,7 @@ Streams a large cache (default 2 Mi tokens) through exactly the producer warp gr
 (bf16: the cp.async copier; fp8 / mxfp4: the bit-placement decoders) into the same swizzled 16-bit ring in shared
 memory, with a consumer that only releases each stage (``mla_decode_stream_kernel``, "bench"). One CTA per SM (the
 decode kernel's occupancy), each streaming an equal share. Reports time and GB/s over the format's own bytes against
-the read ceiling (``torch.sum``), which separates "the decode is too expensive" from "the pipeline doesn't overlap".
+the read ceiling (bench.py's ``torch.sum``, timed as bench.py times), which separates "the decode is too expensive" from "the pipeline doesn't overlap".
 
   python tools/decode_bench.py                       # check every format's decode, then time bf16 / fp8 / mxfp4
   python tools/decode_bench.py --once fp8            # one launch, for ncu (instructions per element):
@@ -24,12 +24,12 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from mla import formats, jit  # noqa: E402
+from bench import FLUSH_BYTES, measure_read_ceiling, time_call_us  # noqa: E402
+from mla import formats  # noqa: E402
 from mla.target import spec_for_device, spec_for_name  # noqa: E402
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig, mla_decode_stream_kernel  # noqa: E402
 
 BYTES_PER_TOKEN = {"bf16": 1152, "fp8": 576, "mxfp4": 306}
-FLUSH_BYTES = 256 * 2**20
 
 
 def stream_kernel(kv_format: str, mode: str, spec=None):
@@ -96,28 +96,6 @@ def check(kv_format: str) -> bool:
     return bad == 0
 
 
-def time_us(fn, reps: int) -> list[float]:
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(reps):
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) * 1e3)
-    return out
-
-
-def read_ceiling_gbps(reps: int) -> float:
-    data = torch.ones(2**31 // 2, dtype=torch.bfloat16, device="cuda")  # 2 GiB
-    times = time_us(lambda: data.sum(), reps)
-    return data.numel() * 2 / statistics.median(times) / 1e3
-
-
 def bench(kv_format: str, tokens: int, reps: int, ceiling: float | None, once: bool = False) -> dict:
     kernel = stream_kernel(kv_format, "bench")
     ctas = torch.cuda.get_device_properties(0).multi_processor_count
@@ -129,8 +107,8 @@ def bench(kv_format: str, tokens: int, reps: int, ceiling: float | None, once: b
         run()
         torch.cuda.synchronize()
         return {}
-    times = time_us(run, reps)
-    t = statistics.median(times)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    t = statistics.median(time_call_us(run, reps=reps, warmup=1, flush=flush))
     gbps = tokens * BYTES_PER_TOKEN[kv_format] / t / 1e3
     row = dict(format=kv_format, tokens=tokens, time_us=t, gbps=gbps,
                pct_ceiling=100 * gbps / ceiling if ceiling else None)
@@ -156,8 +134,8 @@ def main() -> int:
         bench(args.once, args.tokens, 1, None, once=True)
         return 0
     ok = all([check(f) for f in args.formats.split(",")])
-    ceiling = read_ceiling_gbps(args.reps)
-    print(f"read ceiling (torch.sum over 2 GiB): {ceiling:.0f} GB/s")
+    ceiling = measure_read_ceiling("cuda")["gbps"]
+    print(f"read ceiling (bench.py's torch.sum): {ceiling:.0f} GB/s")
     for f in args.formats.split(","):
         bench(f, args.tokens, args.reps, ceiling)
     return 0 if ok else 1
