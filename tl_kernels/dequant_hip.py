@@ -8,13 +8,9 @@ e4m3fnuz -> bf16 (``mla_hip_fp8x16_to_bf16``: 16 codes, four words, to 8 pairs, 
     MI300X has a packed conversion, ``v_cvt_pk_f32_fp8`` (two fnuz codes of a word's low or high half to two f32,
     exact), and a byte permute (``v_perm_b32``) that takes the top half-words of two f32: that top half is the bf16
     of the value, exactly (e4m3 has 3 mantissa bits). Two instructions per pair, no scale, fnuz's NaN code (0x80)
-    stays NaN. The bit-placement alternative (``mla_hip_fp8x16_to_bf16_bits``, kept for the comparison of
-    docs/gfx942.md): a permute puts the two bytes in the high byte of each half-word, the sign stays bit 15 and
-    the 7 exponent + mantissa bits move right by 4 into bf16's exponent / mantissa fields; the half-word is then
-    exactly ``code value * 2^-119`` (fnuz's exponent bias is 8, not e4m3fn's 7: 127 - 8 = 119; subnormals land on
-    bf16 subnormals), and 2^119 would be folded into the score scale (K) and the output scale (V)
-    (``FP8_FNUZ_BITS_FACTOR``). It costs four instructions per pair (permute, shift, AND, AND-OR), so on gfx942 the
-    conversion instruction wins; the kernel uses ``mla_hip_fp8x16_to_bf16``.
+    stays NaN. The bit placement of the CUDA module (a half-word holding ``code value * 2^-119`` here: fnuz's exponent
+    bias is 8, not e4m3fn's 7) costs four instructions per pair (permute, shift, AND, AND-OR), so on gfx942 the
+    conversion instruction wins (docs/gfx942.md compares the two).
 
 e2m1 x e8m0 -> bf16 (``mla_hip_e2m1x16_to_bf16``: 16 codes, two words, plus the block's e8m0 byte e)
     Nibble i of a word is element i. The pair k of a word (k < 4) takes nibbles k and k + 4, which sit 16 bits
@@ -40,8 +36,6 @@ Instruction counts per element (gfx942 code objects, ``tools/gfx942_report.py``)
 import tilelang.language as T
 
 CHUNK = 16  # codes per decode call: one 16-byte fp8 vector, one 8-byte mxfp4 vector (one e8m0 block half)
-FP8_FNUZ_BITS_FACTOR = 2.0**119  # mla_hip_fp8x16_to_bf16_bits yields code * 2^-119 (fnuz bias 8)
-E2M1_BF16_FACTOR = 2.0**126  # the placed e2m1 half-word is code * 2^-126
 # Output element e of mla_hip_e2m1x16_to_bf16 holds code E2M1_ORDER[e] of its 16 (pair k of word w: codes 8w + k, 8w + k + 4).
 def e2m1_order(e):
     """Code (of 16) held by output element e of mla_hip_e2m1x16_to_bf16; ints or TIR expressions."""
@@ -67,20 +61,6 @@ static __device__ inline __attribute__((always_inline)) void mla_hip_fp8x16_to_b
     const mla_hip_f32x2 hi = __builtin_amdgcn_cvt_pk_f32_fp8((int)in[w], true);
     out[2 * w] = mla_hip_top_halves(lo.x, lo.y);
     out[2 * w + 1] = mla_hip_top_halves(hi.x, hi.y);
-  }
-}
-// The bit-placement alternative (not used by the kernel): pairs hold code * 2^-119 (fnuz), element order kept.
-static __device__ inline __attribute__((always_inline)) void mla_hip_fp8x16_to_bf16_bits(void* dst, const void* src) {
-  const unsigned* in = (const unsigned*)src;
-  unsigned* out = (unsigned*)dst;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // bytes 2h, 2h + 1 into the high byte of each half-word (selector 0x0c: zero byte)
-      unsigned y = __builtin_amdgcn_perm(0u, in[w], h ? 0x030c020cu : 0x010c000cu);
-      out[2 * w + h] = ((y >> 4) & 0x07f007f0u) | (y & 0x80008000u);
-    }
   }
 }
 // e8m0 byte -> 2^(e - 127) as f32, exact over the whole range: e = 0 -> 2^-127 (subnormal), e = 255 -> NaN.

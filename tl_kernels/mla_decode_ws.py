@@ -271,19 +271,19 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             fetch_chunk(k, buf, tile_lo, j)
 
     @T.macro
-    def store_tile(k, buf, s, next_lo, has_next):
-        """Decode register buffer ``buf`` into stage ``s`` (16 bf16 per chunk, two 16-byte stores); as each chunk's
-        registers free up, issue the load of the same chunk of the tile two ahead (``next_lo``), so every tile's
-        loads are in flight for two tiles' time with only two tiles of registers."""
+    def store_tile(k, s, next_lo):
+        """Decode register buffer ``s`` into stage ``s`` (16 bf16 per chunk, two 16-byte stores); as each chunk's
+        registers free up, issue the load of the same chunk of the tile two ahead (starting at ``next_lo``; None:
+        no such tile), so every tile's loads are in flight for two tiles' time with only two tiles of registers."""
         for j in list(range(CHUNKS_PER_THREAD)):
             i, dim = chunk_place(k, j)
-            word = (buf * CHUNKS_PER_THREAD + j) * chunk_words
+            word = (s * CHUNKS_PER_THREAD + j) * chunk_words
             if mxfp4:
-                T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[word], k.scale[buf * CHUNKS_PER_THREAD + j]))
+                T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[word], k.scale[s * CHUNKS_PER_THREAD + j]))
             else:
                 T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[word]))
-            if has_next:
-                fetch_chunk(k, buf, next_lo, j)
+            if next_lo is not None:
+                fetch_chunk(k, s, next_lo, j)
             dst, col = (k.Ring_lat[s], dim) if j < LATENT_CHUNKS else (k.Ring_rope[s], dim - KV_LORA_RANK)
             for v in T.vectorized(dequant.CHUNK):
                 dst[i, col + v] = k.vals[v]
@@ -303,9 +303,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
                     if tile < k.num_tiles:
                         if tile + stages < k.num_tiles:
-                            store_tile(k, s, s, tile_lo + stages * block_n, True)
+                            store_tile(k, s, tile_lo + stages * block_n)
                         else:
-                            store_tile(k, s, s, tile_lo, False)
+                            store_tile(k, s, None)
                         T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
                     T.barrier_arrive(k.ready[s])
 
