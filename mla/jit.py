@@ -17,6 +17,7 @@ from mla.target import TargetSpec
 from tl_kernels.mla_combine import CombineKernelConfig, mla_combine_kernel
 from tl_kernels.mla_decode import DecodeKernelConfig, mla_decode_kernel
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig, mla_decode_ws_kernel
+from tl_kernels.mla_decode_rows import RowsDecodeKernelConfig, mla_decode_rows_kernel
 
 log = logging.getLogger("mla")
 
@@ -34,6 +35,8 @@ def prim_func(cfg: DecodeKernelConfig | WSDecodeKernelConfig | CombineKernelConf
         return mla_decode_kernel(cfg)
     if isinstance(cfg, WSDecodeKernelConfig):
         return mla_decode_ws_kernel(cfg)
+    if isinstance(cfg, RowsDecodeKernelConfig):
+        return mla_decode_rows_kernel(cfg)
     if isinstance(cfg, CombineKernelConfig):
         return mla_combine_kernel(cfg)
     raise TypeError(f"not a kernel config: {type(cfg).__name__}")

@@ -92,7 +92,9 @@ class Launch:
                         call.batch, call.total_q, total_kv, num_splits, overrides)
             self.decode, self.combine, self.num_splits, self.fused = k.decode, k.combine, k.num_splits, k.fused
             if k.fused:
-                self.semaphore_count = call.batch * (call.num_heads // k.decode_cfg.block_h)
+                # One counter per (sequence, head group); the 64-row family says its own count (row tiles).
+                per_seq = getattr(k.decode_cfg, "semaphores_per_seq", call.num_heads // k.decode_cfg.block_h)
+                self.semaphore_count = call.batch * per_seq
         # The fused kernels' partial arguments with one split (never read), made here: not inside a graph capture.
         self.dummy_partials = workspace.dummy_fp32(device) if self.fused and self.num_splits == 1 else None
         # Split partials of an eager call: views of one fp32 scratch allocation, o_partial first, then lse_partial,

@@ -11,6 +11,7 @@ from mla.target import TargetSpec
 from tl_kernels.mla_combine import CombineKernelConfig
 from tl_kernels.mla_decode import DIM_SPLIT_SHAPE, DecodeKernelConfig
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig
+from tl_kernels.mla_decode_rows import ROWS_KV_FORMATS, RowsDecodeKernelConfig
 
 MAX_SPLITS = 64
 # Cost model of one CTA, in units of "one KV tile streamed": fixed work per CTA (Q load, output write, launch
@@ -194,6 +195,15 @@ def select_kernels(
     ``num_splits`` forces the split count; 1 means the direct kernel and no combine (the warp-specialised kernel
     merges its splits itself: no combine config whatever the count). ``overrides``: tuning only."""
     q_tile = query_tile(total_q, batch)
+    # 64+ query rows per sequence on Hopper: the 64-row family (see "64-row class" below; opt-in while unmeasured).
+    rows = overrides.pop("rows", ROWS_BY_DEFAULT and not overrides)
+    if rows and uses_rows(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, batch=batch,
+                          total_q=total_q):
+        cfg = rows_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, batch=batch,
+                          total_q=total_q, causal=causal, page_size=page_size, **overrides)
+        if num_splits is None:
+            num_splits = rows_num_splits(spec, cfg, batch=batch, total_kv=total_kv)
+        return cfg, None, num_splits
     # Tuning overrides name the family's fields: the warp-specialised family's with ``ws=True``, else the
     # 32/64-row kernel's (which also serves a forced config of the 16-row class).
     default = not overrides and ws_by_default(spec, kv_format=kv_format, num_heads=num_heads, q_tile=q_tile,
@@ -277,3 +287,57 @@ def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, c
     if uses_ws(spec, num_heads=num_heads, q_tile=q_tile):  # the warp-specialised kernel, for large problems
         variants += [ws_config(spec, kv_format=kv, num_heads=num_heads, causal=causal) for kv in WS_FORMATS]
     return variants
+
+
+# ---- 64-row class (tl_kernels/mla_decode_rows.py, issue 17) -------------------------------------------------------
+# 64+ query rows per sequence (heads x query tokens: 64 / 128 heads, MTP) on Hopper: 64-row wgmma tiles, a producer
+# warp group and two consumer warp groups, the split merge fused. Opt-in (``config_overrides={"rows": True}``) until
+# an H200 run has validated it (tools/rows_check.py, tests/test_rows_gpu.py); bf16 KV and bf16 Q only for now (fp8 /
+# mxfp4 wait for the shared decode helpers, tl_kernels/dequant.py).
+ROWS_BY_DEFAULT = False
+ROWS_MIN = 64  # query rows per sequence (mean) from which the 64-row class serves a problem
+ROWS_MAX_Q_SLOTS = 8  # CTAs along the queries per (sequence, head group); longer query runs take passes
+
+
+def uses_rows(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, batch: int, total_q: int) -> bool:
+    """Whether the 64-row family serves this problem: sm_90a (wgmma, setmaxnreg), a format it reads, and at least
+    64 query rows per sequence on average (num_heads x mean query length)."""
+    if spec.name != "sm_90a" or kv_format not in ROWS_KV_FORMATS or q_format != "bf16" or batch <= 0:
+        return False
+    return num_heads * math.ceil(total_q / batch) >= ROWS_MIN
+
+
+def rows_config(
+    spec: TargetSpec, *, kv_format: str, q_format: str = "bf16", num_heads: int = 128, batch: int = 1,
+    total_q: int = 1, causal: bool = False, page_size: int = 0, **overrides,
+) -> RowsDecodeKernelConfig:
+    """The 64-row kernel's config for a problem class: 64 heads per CTA (fewer heads: several query tokens fill the
+    64 rows), and as many CTAs along the queries as the mean query length needs (a power of two, at most
+    ``ROWS_MAX_Q_SLOTS``, so few variants compile). ``overrides`` replace the defaults (tuning)."""
+    block_h = min(num_heads, 64)
+    q_group = 64 // block_h
+    mean_q = max(1, math.ceil(total_q / max(batch, 1)))
+    q_slots = 1
+    while q_slots * q_group < mean_q and q_slots < ROWS_MAX_Q_SLOTS:
+        q_slots *= 2
+    cfg = RowsDecodeKernelConfig(
+        kv_format=kv_format, q_format=q_format, num_heads=num_heads, block_h=block_h, q_slots=q_slots, causal=causal,
+        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype,
+    )
+    cfg = dataclasses.replace(cfg, **overrides)
+    if cfg.shared_bytes > spec.smem_bytes:
+        raise ValueError(f"{cfg.name} needs {cfg.shared_bytes} B of shared memory; {spec.name} has {spec.smem_bytes}")
+    # mla.plan allocates batch x num_heads semaphores for every fused family.
+    if cfg.semaphores_per_seq > num_heads:
+        raise ValueError(f"{cfg.name}: {cfg.semaphores_per_seq} semaphores per sequence exceed num_heads={num_heads}")
+    return cfg
+
+
+def rows_num_splits(spec: TargetSpec, cfg: RowsDecodeKernelConfig, *, batch: int, total_kv: int) -> int:
+    """KV splits per sequence for the 64-row kernel: one CTA per SM, ``row_tiles`` CTAs per (sequence, split), the
+    merge fused (the warp-specialised family's merge costs)."""
+    return choose_num_splits(
+        batch=batch, total_kv=total_kv, num_sms=spec.num_sms, ctas_per_sm=ctas_per_sm(spec, cfg), block_n=cfg.block_n,
+        head_groups=cfg.row_tiles, combine_overhead=WS_COMBINE_OVERHEAD_TILES,
+        combine_per_split=WS_COMBINE_TILES_PER_SPLIT,
+    )
