@@ -1,0 +1,81 @@
+"""The 64-row warp-specialised Hopper kernel (tl_kernels/mla_decode_rows.py, issue 17) against the fp32 reference.
+
+The grid (tools/rows_check.py's VARIANTS, so the kernels come prebuilt from the same cache): 16 / 32 / 64 / 128 heads,
+query lengths 1-8 in one ragged batch (several query passes where a CTA's queries x its slots < 8), causal masking
+whose horizons move by one token per query, so rows of one CTA (16 heads x 4 queries, 32 x 2) and tiles straddle them;
+KV lengths 0, 1, 63 / 64 / 65, 129, 700, 2049 (tile and ring boundaries), paged caches (shuffled pages, NaN in every
+unused slot), split counts 1 / 3 / 16 (16 reaches past the tile count of short sequences: empty splits must count in
+the fused merge). Each call runs twice on the same buffers (the merge leaves its semaphores at zero). Rows past the
+last sequence hold NaN, outputs start as NaN. Tolerances: tests/helpers.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import requires_gpu
+from helpers import check_against_reference, launches, poisoned, reference_for
+from mla.decode import harness_cache, mla_decode, plan
+from mla.inputs import make_ragged_inputs, to_paged
+from tools.rows_check import KV_LENS, Q_LENS, SPLITS, TAIL, VARIANTS
+
+pytestmark = requires_gpu
+
+
+def inputs(heads, q_lens=Q_LENS, seed=17):
+    data = make_ragged_inputs(KV_LENS, q_lens, num_heads=heads, seed=seed, tail_rows=TAIL)
+    data[1]["bf16"][-TAIL:] = math.nan
+    return data
+
+
+def call(data, heads, overrides, causal, page_size, splits):
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    extra = {}
+    if page_size:
+        kv_data, page_table = to_paged(data, page_size=page_size)
+        extra = dict(page_table=page_table)
+    cache, kw = harness_cache(kv_data, "bf16")
+    out = poisoned((q.shape[0], heads, 512), torch.bfloat16)
+    lse = poisoned((q.shape[0], heads), torch.float32)
+    mla_decode(q, cache, qo_indptr, kv_indptr, causal=causal, num_splits=splits, out=out, lse=lse, return_lse=True,
+               config_overrides=overrides, **kw, **extra)
+    return out, lse
+
+
+@launches(lambda **_: [])  # opt-in kernels: built on first use (prebuilt by tools/rows_check.py --prebuild)
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("label", list(VARIANTS))
+def test_variant_against_reference(label, splits):
+    heads, ov, causal, page_size = VARIANTS[label]
+    data = inputs(heads)
+    ref_out, ref_lse = reference_for("bf16", data, causal=causal)
+    for rep in range(2):
+        out, lse = call(data, heads, {"rows": True, **ov}, causal, page_size, splits)
+        check_against_reference(out, ref_out, "bf16", data[2], data[3], lse=lse, ref_lse=ref_lse,
+                                context=f"{label} num_splits={splits} (call {rep + 1})")
+
+
+@launches(lambda **_: [])
+@pytest.mark.parametrize("heads,q_len,label", [(128, 4, "h128-qs4"), (64, 1, "h64-qs1")])
+def test_scheduler_choice(heads, q_len, label):
+    """Without a forced q_slots the scheduler picks the variant the timing runs (and the default split count)."""
+    data = inputs(heads, q_lens=q_len, seed=3)
+    ref_out, ref_lse = reference_for("bf16", data)
+    out, lse = call(data, heads, {"rows": True}, False, 0, None)
+    check_against_reference(out, ref_out, "bf16", data[2], data[3], lse=lse, ref_lse=ref_lse, context=label)
+
+
+@launches(lambda **_: [])
+def test_plan_run():
+    """DecodePlan.run (its preallocated semaphores and flat partials) on the 64-row family."""
+    heads, ov, causal, _ = VARIANTS["h64-qs2-causal"]
+    data = inputs(heads, seed=5)
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    ref_out, ref_lse = reference_for("bf16", data, causal=causal)
+    the_plan = plan(qo_indptr, kv_indptr, num_heads=heads, kv_format="bf16", causal=causal, num_splits=3,
+                    config_overrides={"rows": True, **ov})
+    for rep in range(2):
+        out, lse = the_plan.run(q, kv_data["bf16"], return_lse=True)
+        check_against_reference(out, ref_out, "bf16", qo_indptr, kv_indptr, lse=lse, ref_lse=ref_lse,
+                                context=f"plan run {rep + 1}")
