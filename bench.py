@@ -8,6 +8,8 @@ Usage, from the repo root (``python bench.py`` finds the ``mla`` package next to
     python bench.py --ragged --long --check          # + ragged batches and 32k contexts; verify vs the fp32 reference
     python bench.py --q-len 2 --no-baselines         # MTP: 2 query tokens per sequence
     python bench.py --page-size 16 --heads 128       # paged KV (FlashInfer reads the same pages), 128 heads
+    python bench.py --grid 128x4,128x1,64x1,16x4,16x8 --modes bf16,fp8 --shapes 32x8192,256x8192
+                                                     # one run over (heads x q_len) points: issue 17's whole table
     python bench.py --plan                           # time DecodePlan.run (planned once, untimed, like FlashInfer)
     python bench.py --splits 1 --no-peers --reps 100 # force one KV split (no combine kernel)
     python bench.py --json results.json --plot gbps.png
@@ -37,6 +39,10 @@ loop of --host-calls (500) calls back to back, for every mode through ``mla_deco
 (rows with ``"plan": true``) and for every peer's timed call; ``gpu_us_per_call`` = the call's GPU time with the GPU
 never waiting for the host (calls queued behind a sleep kernel, CUDA events around them); ``host_overhead_us`` = their
 difference: what the host adds per call beyond the kernels.
+
+Achieved TFLOP/s = ``flops_of(...)`` / median time (the two GEMMs of the absorbed decode, 2 x (576 + 512) flop per
+(query row, KV token)), beside the GB/s: with 64+ query rows per sequence (128 heads, MTP) decode is compute-bound.
+``--grid HEADSxQ_LEN,...`` runs every case at each (heads, query tokens) point and ends with one table of them all.
 
 Achieved GB/s = ``bytes_moved(...)`` / median time; the read ceiling (``torch.sum`` over a 4 GiB bf16 tensor) is
 measured in the same run. Without a CUDA device the script compiles, for sm_90a on the CPU, every kernel variant the
@@ -182,6 +188,27 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    """``HEADSxQ_LEN`` items, comma-separated (e.g. ``128x4,64x1,16x8``): the (heads, query tokens) points of a run."""
+    points = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        try:
+            heads, q_len = (int(x) for x in item.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad grid point {item!r}: expected HEADSxQ_LEN, e.g. 128x4") from None
+        if heads not in SUPPORTED_HEADS:
+            raise argparse.ArgumentTypeError(f"bad grid point {item!r}: heads must be one of {SUPPORTED_HEADS}")
+        if q_len < 1:
+            raise argparse.ArgumentTypeError(f"bad grid point {item!r}: q_len must be >= 1")
+        points.append((heads, q_len))
+    if not points:
+        raise argparse.ArgumentTypeError("empty --grid: expected HEADSxQ_LEN[,HEADSxQ_LEN...]")
+    return list(dict.fromkeys(points))
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -205,6 +232,12 @@ def parse_args(argv=None):
     parser.add_argument("--long", action="store_true", help="add 32k contexts: batch 4 and 16 x 32768")
     parser.add_argument("--q-len", type=positive_int, default=1, help="query tokens per sequence (MTP; default 1)")
     parser.add_argument("--heads", type=int, choices=SUPPORTED_HEADS, default=16, help="query heads (default 16)")
+    parser.add_argument("--grid", type=parse_grid, default=None,
+                        help="comma-separated HEADSxQ_LEN points, e.g. 128x4,128x1,64x1,16x4,16x8: every case at each "
+                             "point (replaces --heads / --q-len for the timed cases), then one table of all of them")
+    parser.add_argument("--rows", action="store_true",
+                        help="let the 64-row kernel class serve problems of 64+ query rows per sequence (opt-in while "
+                             "mla.schedule.ROWS_BY_DEFAULT is False)")
     parser.add_argument("--page-size", type=positive_int, default=None,
                         help="read the KV through a page table: caches laid out in shuffled pages of this many tokens")
     parser.add_argument("--plan", action="store_true",
@@ -254,6 +287,30 @@ def bytes_moved(batch: int, kv_len: float, q_len: int, heads: int, mode: str) ->
     return kv_bytes + q_bytes + out_bytes
 
 
+def flops_of(batch: int, kv_len: float, q_len: int, heads: int) -> float:
+    """The flops of one decode call: per (query row, visible KV token) S = q . k over 576 dims and O += p v over 512,
+    2 flop per multiply-add. Non-causal (every query sees its whole sequence), as the bench's calls are."""
+    return 2.0 * batch * q_len * heads * kv_len * (QK_DIM + KV_LORA_RANK)
+
+
+def grid_points(args) -> list[tuple[int, int]]:
+    """The (heads, q_len) points of this run: ``--grid``, else the one of ``--heads`` / ``--q-len``."""
+    return list(args.grid) if getattr(args, "grid", None) else [(args.heads, args.q_len)]
+
+
+def at_point(args, heads: int, q_len: int) -> argparse.Namespace:
+    """A copy of ``args`` at one grid point."""
+    return argparse.Namespace(**dict(vars(args), heads=heads, q_len=q_len))
+
+
+def mode_overrides(args) -> dict | None:
+    """The op's config_overrides for this run: ``--config`` JSON, plus ``--rows`` (opt into the 64-row class)."""
+    overrides = dict(getattr(args, "config", None) or {})
+    if getattr(args, "rows", False):
+        overrides["rows"] = True
+    return overrides or None
+
+
 def selected_kernels(spec, mode: str, case: Case, args, total_kv: int | None = None) -> tuple:
     """(decode config, combine config or None, num_splits) that mla_decode launches for this case: the op's own
     selection (``schedule.select_kernels``) from the same sizes. ``total_kv``: the rows of the cache the op is
@@ -262,7 +319,8 @@ def selected_kernels(spec, mode: str, case: Case, args, total_kv: int | None = N
     return schedule.select_kernels(
         spec, kv_format=kv_format, q_format=q_format, num_heads=args.heads, causal=False,
         page_size=args.page_size or 0, batch=case.batch, total_q=case.batch * args.q_len,
-        total_kv=case.total_kv if total_kv is None else total_kv, num_splits=args.splits, **(args.config or {}),
+        total_kv=case.total_kv if total_kv is None else total_kv, num_splits=args.splits,
+        **(mode_overrides(args) or {}),
     )
 
 
@@ -282,14 +340,16 @@ def make_inputs(case: Case, q_len: int, heads: int, device: str):
 
 
 def run_mode(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None,
-             config: dict | None = None) -> torch.Tensor:
+             overrides: dict | None = None) -> torch.Tensor:
     """One mla_decode call in ``mode`` on the harness tuple ``data`` (paged caches come with ``page_table``;
-    ``config``: tuning overrides of the kernel config, --config)."""
-    return run_harness(data, mode, num_splits=num_splits, page_table=page_table, config_overrides=config)
+    ``overrides``: config overrides, --config / --rows)."""
+    if overrides:
+        return run_harness(data, mode, num_splits=num_splits, page_table=page_table, config_overrides=overrides)
+    return run_harness(data, mode, num_splits=num_splits, page_table=page_table)
 
 
 def planned_call(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None,
-                 causal: bool = False):
+                 causal: bool = False, overrides: dict | None = None):
     """``mla.decode.plan`` for this batch (untimed, as a serving engine plans once per step for all layers; the
     split count is the op's own choice unless forced) and the ``DecodePlan.run`` call to time."""
     q, kv_data, qo_indptr, kv_indptr, _ = data
@@ -297,7 +357,7 @@ def planned_call(mode: str, data, num_splits: int | None = None, page_table: tor
     kv_format, q_format = cache_kwargs.pop("kv_format"), cache_kwargs.pop("q_format")
     paging = {} if page_table is None else dict(page_size=page_size_of(kv), page_table=page_table)
     the_plan = plan(qo_indptr, kv_indptr, num_heads=q.shape[1], kv_format=kv_format, q_format=q_format,
-                    num_splits=num_splits, causal=causal, device=q.device, **paging)
+                    num_splits=num_splits, causal=causal, device=q.device, config_overrides=overrides, **paging)
     return lambda: the_plan.run(q, kv, **cache_kwargs)
 
 
@@ -443,6 +503,8 @@ def measure(bench: Bench, row: dict, fn, *, reps: int, bytes_read: float | None,
     if bytes_read is not None:
         row.update(bytes_read=bytes_read, gbps=gbps_of(bytes_read, row["time_us"]))
         row["pct_ceiling"] = 100.0 * row["gbps"] / bench.ceiling_gbps
+    if all(k in row for k in ("batch", "mean_kv_len", "q_len", "heads")):
+        row["tflops"] = flops_of(row["batch"], row["mean_kv_len"], row["q_len"], row["heads"]) / row["time_us"] / 1e6
     return row
 
 
@@ -495,10 +557,11 @@ def bench_modes(bench: Bench, case: Case, data, ref_fns: dict, comparisons: list
         kv = harness_cache(data[1], mode)[0]
         cache_rows = None if args.plan else kv.shape[0] * (page_size_of(kv) if page_table is not None else 1)
         row["num_splits"] = splits_for(bench.spec, mode, case, args, cache_rows)
+        overrides = mode_overrides(args)
         if args.plan:
-            fn = planned_call(mode, data, args.splits, page_table)
+            fn = planned_call(mode, data, args.splits, page_table, overrides=overrides)
         else:
-            fn = lambda mode=mode: run_mode(mode, data, args.splits, page_table, args.config)  # noqa: E731
+            fn = lambda mode=mode: run_mode(mode, data, args.splits, page_table, overrides)  # noqa: E731
         measure(bench, row, fn, reps=args.reps,
                 bytes_read=bytes_moved(case.batch, case.mean_kv_len, args.q_len, args.heads, mode),
                 ref_fn=ref_fns[mode] if args.check else None)
@@ -618,8 +681,10 @@ def bench_host(bench: Bench, case: Case) -> list[dict]:
     cycles_per_us = sleep_cycles_per_us()
     calls = []
     for mode in args.modes:
-        calls.append((mode, False, False, lambda mode=mode: run_mode(mode, run_data, args.splits, page_table, args.config)))
-        calls.append((mode, True, False, planned_call(mode, run_data, args.splits, page_table)))
+        overrides = mode_overrides(args)
+        calls.append((mode, False, False,
+                      lambda mode=mode: run_mode(mode, run_data, args.splits, page_table, overrides)))
+        calls.append((mode, True, False, planned_call(mode, run_data, args.splits, page_table, overrides=overrides)))
     ref_fns, shared = reference_fns(data), {}
     for peer in bench.peers:
         if peer.reason is None:
@@ -676,6 +741,8 @@ def format_row(row: dict) -> str:
     text = f"{head} {row['time_us']:9.1f} us (min {row['min_us']:9.1f})"
     if "gbps" in row:
         text += f" {row['gbps']:6.0f} GB/s {row['pct_ceiling']:5.1f}%"
+    if "tflops" in row:
+        text += f" {row['tflops']:6.1f} TFLOP/s"
     if "num_splits" in row:
         text += f"  splits {row['num_splits']:2d}"
     if row.get("speedup"):
@@ -744,6 +811,27 @@ def print_summary(rows: list[dict], cases: list[Case], ceiling_gbps: float, args
                           lambda r: f"{r['gbps']:.0f} ({r['pct_ceiling']:.0f}%)", "")))
     print("time, us (median):")
     print("\n".join(table(rows, cases, all_impls, lambda r: f"{r['time_us']:.1f}", " us")), flush=True)
+
+
+def grid_table(rows: list[dict], cases: list[Case], points: list[tuple[int, int]]) -> list[str]:
+    """One line per (heads x q_len, shape), one column per mode / peer: median us and TFLOP/s."""
+    impls = timed_impls(rows, ("mode", "peer"))
+    width = max([len(c.label) for c in cases] + [5])
+    lines = [f"{'heads x q':>9} {'shape':<{width}} | " + " | ".join(f"{impl + ' us (TFLOP/s)':>24}" for impl in impls)]
+    for heads, q_len in points:
+        at = [r for r in rows if r.get("heads") == heads and r.get("q_len") == q_len]
+        for case in cases:
+            cells = []
+            for impl in impls:
+                r = lookup(at, case.label, impl)
+                cells.append("-" if r is None else f"{r['time_us']:.1f} ({r.get('tflops', 0.0):.0f})")
+            lines.append(f"{f'{heads}x{q_len}':>9} {case.label:<{width}} | " + " | ".join(f"{c:>24}" for c in cells))
+    return lines
+
+
+def print_grid_summary(rows: list[dict], cases: list[Case], points: list[tuple[int, int]], args) -> None:
+    print(f"\n== grid: median of {args.reps} reps, cold L2; us (achieved TFLOP/s) per (heads x q_len, shape)")
+    print("\n".join(grid_table(rows, cases, points)), flush=True)
 
 
 def git_commit() -> str | None:
@@ -826,8 +914,8 @@ def compile_only(args, cases: list[Case]) -> int:
     cases = list(dict.fromkeys(cases + [uniform_case(*shape) for shape in args.host_shape]))  # + the host table's
     print_split_table(spec, cases, args)
     configs = list(dict.fromkeys(
-        cfg for case in cases for mode in args.modes
-        for cfg in selected_kernels(spec, mode, case, args)[:2] if cfg is not None
+        cfg for heads, q_len in grid_points(args) for case in cases for mode in args.modes
+        for cfg in selected_kernels(spec, mode, case, at_point(args, heads, q_len))[:2] if cfg is not None
     ))
     failures = 0
     for i, cfg in enumerate(configs, 1):  # jit logs one line per build ("... ready in N s")
@@ -871,8 +959,12 @@ def run_benchmark(args, cases: list[Case]) -> int:
     print_peers(peers, args)
     bench = Bench(args=args, spec=spec, device=DEVICE, flush=flush, ceiling_gbps=ceiling["gbps"], peers=peers)
     rows = []
-    for case in cases:
-        rows += bench_case(bench, case)
+    points = grid_points(args)
+    for heads, q_len in points:
+        bench.args = at_point(args, heads, q_len)
+        for case in cases:
+            rows += bench_case(bench, case)
+    bench.args = args
     for shape in args.host_shape:
         rows += bench_host(bench, uniform_case(*shape))
     if args.json:
@@ -880,7 +972,11 @@ def run_benchmark(args, cases: list[Case]) -> int:
     if args.plot:
         title = f"MLA decode, {device_name}, q_len {args.q_len}, {args.heads} heads"
         write_plot(args.plot, rows, cases, ceiling["gbps"], title)
-    print_summary(rows, cases, ceiling["gbps"], args)
+    for heads, q_len in points:
+        at = [r for r in rows if r["kind"] == "host" or (r.get("heads"), r.get("q_len")) == (heads, q_len)]
+        print_summary(at, cases, ceiling["gbps"], at_point(args, heads, q_len))
+    if len(points) > 1:
+        print_grid_summary(rows, cases, points, args)
     print_host_summary(rows)
     return 1 if any(r["kind"] in ("mode", "host") and "error" in r and not r.get("peer") for r in rows) else 0
 
