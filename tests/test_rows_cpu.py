@@ -120,13 +120,24 @@ def test_launch_counts_one_semaphore_per_row_tile(monkeypatch):
 # ------------------------------------------------------------------------------------- generated CUDA
 
 
+LDS = {}  # config -> dynamic shared memory TileLang allocates
 CASES = [dict(num_heads=128, q_slots=4), dict(num_heads=16, block_h=16, causal=True, page_size=16)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["h128-qs4", "h16-causal-page16"])
 def source(request):
     cfg = RowsDecodeKernelConfig(**request.param)
-    return cfg, jit.lower(cfg, H200).kernel_source
+    artifact = jit.lower(cfg, H200)
+    LDS[cfg] = jit.lowered_lds_bytes(artifact)
+    return cfg, artifact.kernel_source
+
+
+def test_fits_shared_memory(source):
+    """What TileLang allocates (not the config's estimate: run 14's WS kernel failed to launch on an undercount),
+    plus 1 KiB for the static barriers before the 1024-aligned dynamic buffer, fits one CTA per SM."""
+    cfg, _ = source
+    assert LDS[cfg] + 1024 <= H200.smem_bytes
+    assert abs(LDS[cfg] - cfg.shared_bytes) < 4096, "the estimate drives the scheduler's occupancy"
 
 
 def test_three_roles_with_their_own_register_budgets(source):
