@@ -171,3 +171,18 @@ def test_no_block_wide_barrier_inside_the_roles(source):
 def test_split_merge_is_fused(source):
     cfg, src = source
     assert "AtomicAddRet" in src and "__threadfence" in src
+
+
+def test_rows_check_reports_a_hung_item_and_goes_on():
+    """tools/rows_check.py must never hang the lead's GPU call: an item past its time is killed and reported, and
+    the remaining items run in a fresh child process."""
+    import time
+
+    from tools import rows_check
+
+    start = time.time()
+    results = rows_check.run_watched(["sleep:0.1", "sleep:60", "sleep:0.1"], reps=1, item_timeout=3.0,
+                                     deadline=time.time() + 120)
+    assert [r["status"] for r in results] == ["ok", "HUNG", "ok"]
+    assert [r["item"] for r in results] == ["sleep:0.1", "sleep:60", "sleep:0.1"]
+    assert time.time() - start < 90

@@ -184,7 +184,11 @@ def child(items: list[str], reps: int) -> int:
         print(f"BEGIN {item}", flush=True)
         kind, key = item.split(":", 1)
         try:
-            line = check_item(key) if kind == "check" else time_item(key, reps)
+            if kind == "sleep":  # the watcher's own test (tests/test_rows_cpu.py): an item that takes ``key`` s
+                time.sleep(float(key))
+                line = json.dumps(dict(kind="sleep", status="ok"))
+            else:
+                line = check_item(key) if kind == "check" else time_item(key, reps)
         except Exception as exc:  # noqa: BLE001 - report and go on: a GPU run is too precious to lose to one item
             line = json.dumps(dict(kind=kind, label=key, key=key, status="ERROR",
                                    error=f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
@@ -251,6 +255,8 @@ def run_watched(items: list[str], reps: int, item_timeout: float, deadline: floa
 def describe(r: dict) -> str:
     if "error" in r:
         return f"  {r.get('item')}: {r.get('status')} {r.get('error')}"
+    if r["kind"] == "sleep":
+        return f"  {r['item']}: ok"
     if r["kind"] == "check":
         tail = "" if r["status"] == "ok" else "  " + "; ".join(r["notes"])
         return f"  check {r['label']:<24} {r['status']:<4} worst rel L2 {r['worst_rel_l2']:.2e}{tail}"
