@@ -9,8 +9,9 @@
 
 Every item runs in a child process that the parent watches: an item that raises is reported and the run goes on;
 one that hangs (a deadlocked barrier) is killed after ``--item-timeout`` seconds, reported HUNG, and the remaining
-items run in a fresh child. Without a GPU, ``--prebuild`` compiles every kernel the run loads into
-$TILELANG_CACHE_DIR (target sm_90a), so the GPU host loads them in a fraction of a second each.
+items run in a fresh child. Before the items, the kernels are built (or loaded) in parallel worker processes for at
+most ``--prebuild-cap`` seconds. Without a GPU, ``--prebuild`` compiles every kernel the run loads into
+$TILELANG_CACHE_DIR (target sm_90a), so the GPU host loads them in about a second each.
 
     TILELANG_CACHE_DIR=/work/main/.device/tl-cache python tools/rows_check.py --prebuild     # CPU box
     TILELANG_CACHE_DIR=.device/tl-cache python tools/rows_check.py [--json rows.json]         # GPU host
@@ -282,16 +283,61 @@ def summary(results: list[dict]) -> None:
                   f"{r['old_us'] / r['rows_us']:.2f}x")
 
 
+def all_configs(spec) -> list:
+    configs = [variant_config(spec, label) for label in VARIANTS]
+    for heads, q_len, batch, kv_len in TIMED:
+        configs += timed_configs(spec, heads, q_len, batch, kv_len)
+    return list(dict.fromkeys(configs))
+
+
+def _build(cfg):
+    """Worker: compile (or load) one kernel into the disk cache; (name, seconds, error or None)."""
+    from mla import jit
+    from mla.target import spec_for_name
+
+    start = time.time()
+    try:
+        jit.get_kernel(cfg, spec_for_name("sm_90a"))
+        return cfg.name, time.time() - start, None
+    except Exception as exc:  # noqa: BLE001
+        return cfg.name, time.time() - start, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
+def parallel_prebuild(cap_s: float) -> None:
+    """Before the GPU items: compile every kernel in parallel worker processes (a warm cache takes ~1 s per kernel;
+    a cold one ~30-60 s each, in parallel), for at most ``cap_s`` seconds; whatever is not built by then builds on
+    first use inside its item."""
+    import multiprocessing
+
+    from mla.target import spec_for_name
+
+    configs = all_configs(spec_for_name("sm_90a"))
+    workers = max(1, min(len(configs), (os.cpu_count() or 2) - 1))
+    start = time.time()
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    pending = [pool.apply_async(_build, (cfg,)) for cfg in configs]
+    done, failed = 0, []
+    for job in pending:
+        try:
+            name, _, err = job.get(timeout=max(0.1, start + cap_s - time.time()))
+        except multiprocessing.TimeoutError:
+            break
+        done += 1
+        if err:
+            failed.append(f"{name}: {err}")
+    pool.terminate()
+    pool.join()
+    print(f"prebuild: {done} of {len(configs)} kernels ready in {time.time() - start:.0f} s with {workers} workers"
+          + (f"; FAILED: {'; '.join(failed)}" if failed else ""), flush=True)
+
+
 def prebuild() -> int:
     """Compile (CPU, sm_90a) every kernel the run loads, into $TILELANG_CACHE_DIR."""
     from mla import jit
     from mla.target import spec_for_name
 
     spec = spec_for_name("sm_90a")
-    configs = [variant_config(spec, label) for label in VARIANTS]
-    for heads, q_len, batch, kv_len in TIMED:
-        configs += timed_configs(spec, heads, q_len, batch, kv_len)
-    configs = list(dict.fromkeys(configs))
+    configs = all_configs(spec)
     failures = 0
     for i, cfg in enumerate(configs, 1):
         start = time.time()
@@ -312,7 +358,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--item-timeout", type=float, default=60.0, help="seconds one item may take (default 60)")
-    ap.add_argument("--budget", type=float, default=230.0, help="seconds for the whole run (default 230)")
+    ap.add_argument("--budget", type=float, default=150.0,
+                    help="seconds for the GPU items, after the prebuild (default 150)")
+    ap.add_argument("--prebuild-cap", type=float, default=90.0,
+                    help="seconds for the parallel prebuild before the GPU items (default 90; 0 skips it)")
     ap.add_argument("--json", help="write the results to this path")
     args = ap.parse_args(argv)
     if args.prebuild:
@@ -325,8 +374,10 @@ def main(argv=None) -> int:
     if args.only:
         wanted = set(args.only.split(","))
         items = [i for i in items if i.split(":", 1)[1] in wanted]
-    print(f"rows_check: {len(items)} items, {args.item_timeout:.0f} s each at most, {args.budget:.0f} s in all",
-          flush=True)
+    print(f"rows_check: {len(items)} items, {args.item_timeout:.0f} s each at most, {args.budget:.0f} s in all, "
+          f"after a prebuild of at most {args.prebuild_cap:.0f} s", flush=True)
+    if args.prebuild_cap > 0:
+        parallel_prebuild(args.prebuild_cap)
     results = run_watched(items, args.reps, args.item_timeout, time.time() + args.budget)
     summary(results)
     if args.json:
