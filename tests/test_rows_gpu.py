@@ -79,3 +79,31 @@ def test_plan_run():
         out, lse = the_plan.run(q, kv_data["bf16"], return_lse=True)
         check_against_reference(out, ref_out, "bf16", qo_indptr, kv_indptr, lse=lse, ref_lse=ref_lse,
                                 context=f"plan run {rep + 1}")
+
+
+@launches(lambda **_: [])
+def test_plan_runs_captured_in_a_cuda_graph():
+    """A plan's runs on the 64-row family captured in one CUDA graph (fused merge: the plan's semaphores must be back
+    at zero after each replay), replayed with new Q values."""
+    heads, ov, causal, _ = VARIANTS["h64-qs2-causal"]
+    data = inputs(heads, seed=9)
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    the_plan = plan(qo_indptr, kv_indptr, num_heads=heads, kv_format="bf16", causal=causal, num_splits=3,
+                    config_overrides={"rows": True, **ov})
+    out = torch.empty((q.shape[0], heads, 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((q.shape[0], heads), dtype=torch.float32, device="cuda")
+    the_plan.run(q, kv_data["bf16"], out=out, lse=lse)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        the_plan.run(q, kv_data["bf16"], out=out, lse=lse)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for replay in range(2):
+        q.copy_(torch.randn(q.shape, dtype=q.dtype, device="cuda", generator=gen))
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference_for("bf16", data, causal=causal)
+        check_against_reference(out, ref_out, "bf16", qo_indptr, kv_indptr, lse=lse, ref_lse=ref_lse,
+                                context=f"CUDA graph replay {replay + 1}")
