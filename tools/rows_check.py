@@ -53,6 +53,9 @@ SPLITS = (1, 3, 16)
 TIMED = [  # (heads, q_len, batch, kv_len)
     (128, 4, 32, 8192), (128, 4, 256, 8192), (64, 1, 32, 8192), (64, 1, 256, 8192),
 ]
+# Extra timings of the 64-row kernel at each timed point: label -> config overrides. "r256": warp group 0 at 256
+# registers (ptxas: 204 B of spills instead of 264 at the default 240 / 160 / 96; docs/perf.md).
+TIMED_VARIANTS = {"r256": dict(softmax_regs=256)}
 TAIL = 5  # NaN cache rows past the last sequence
 MODE = "bf16"  # the only cache format of the 64-row family so far
 
@@ -75,9 +78,10 @@ def timed_configs(spec, heads: int, q_len: int, batch: int, kv_len: int) -> list
 
     problem = dict(kv_format="bf16", q_format="bf16", num_heads=heads, causal=False, page_size=0, batch=batch,
                    total_q=batch * q_len, total_kv=batch * kv_len)
-    rows_cfg = schedule.select_kernels(spec, **problem, rows=True)[0]
+    rows_cfgs = [schedule.select_kernels(spec, **problem, rows=True, **ov)[0]
+                 for ov in [{}] + list(TIMED_VARIANTS.values())]
     old = schedule.select_kernels(spec, **problem)
-    return [rows_cfg] + [c for c in old[:2] if c is not None]
+    return rows_cfgs + [c for c in old[:2] if c is not None]
 
 
 # ------------------------------------------------------------------------------------------------- child: items
@@ -179,6 +183,12 @@ def time_item(key: str, reps: int) -> str:
     del out_old, out_rows
     result["old_us"] = time_us(lambda: old_plan.run(q, kv_data["bf16"]), flush, reps)
     result["rows_us"] = time_us(lambda: rows_plan.run(q, kv_data["bf16"]), flush, reps)
+    for label, ov in TIMED_VARIANTS.items():
+        try:
+            variant = plan(qo_indptr, kv_indptr, num_heads=heads, kv_format="bf16", config_overrides=rows_overrides(ov))
+            result[f"rows_{label}_us"] = time_us(lambda: variant.run(q, kv_data["bf16"]), flush, reps)
+        except Exception as exc:  # noqa: BLE001 - the main columns stand without it
+            result[f"rows_{label}_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     result["status"] = "ok" if result["rows_finite"] and result["rows_vs_old_rel_l2"] < 2e-2 else "FAIL"
     result["old_tflops"] = flops / result["old_us"] / 1e6
     result["rows_tflops"] = flops / result["rows_us"] / 1e6
@@ -270,7 +280,8 @@ def describe(r: dict) -> str:
     return (f"  time {r['heads']:3d} heads x q {r['q_len']} at {r['batch']:3d} x {r['kv_len']}: old {r['old_us']:8.1f} us "
             f"({r['old_tflops']:5.0f} TFLOP/s)  rows {r['rows_us']:8.1f} us ({r['rows_tflops']:5.0f} TFLOP/s, "
             f"splits {r['rows_splits']})  speedup {r['old_us'] / r['rows_us']:.2f}x  rows vs old rel L2 "
-            f"{r['rows_vs_old_rel_l2']:.1e}{'' if r['rows_finite'] else ' NON-FINITE'}")
+            f"{r['rows_vs_old_rel_l2']:.1e}{'' if r['rows_finite'] else ' NON-FINITE'}"
+            + "".join(f"  {k[5:-3]} {v:.1f} us" for k, v in r.items() if k.startswith("rows_r") and k.endswith("_us")))
 
 
 def summary(results: list[dict]) -> None:
