@@ -4,6 +4,7 @@
     python tools/one_call.py mxfp4 4 1024 16                       # paged cache, 16 tokens per page (shuffled)
     python tools/one_call.py a8w8 4 1024 --q-len 8 --causal         # MTP
     python tools/one_call.py fp8 4 1024 64 --heads 64 --plan        # through mla.decode.plan(...).run(...)
+    python tools/one_call.py bf16 4 1024 --heads 128 --q-len 2 --causal --rows --splits 3   # the 64-row kernel
 
 Exits 1 when the output has a NaN/inf or is off the fp32 reference by more than the tests' tolerance.
 """
@@ -33,6 +34,7 @@ parser.add_argument("--causal", action="store_true")
 parser.add_argument("--splits", type=int, default=None)
 parser.add_argument("--plan", action="store_true", help="call mla.decode.plan(...).run(...) instead of mla_decode")
 parser.add_argument("--reps", type=int, default=3)
+parser.add_argument("--rows", action="store_true", help="opt into the 64-row kernel class (config_overrides rows=True)")
 args = parser.parse_args()
 
 data = bench.make_inputs(bench.uniform_case(args.batch, args.kv_len), args.q_len, args.heads, "cuda")
@@ -41,10 +43,13 @@ if args.page_size:
     paged, page_table = to_paged(data, args.page_size)
     run_data = (data[0], paged, *data[2:])
 if args.plan:
-    call = bench.planned_call(args.mode, run_data, args.splits, page_table, causal=args.causal)
+    call = bench.planned_call(args.mode, run_data, args.splits, page_table, causal=args.causal,
+                              overrides={"rows": True} if args.rows else None)
 else:
     def call():
-        return run_harness(run_data, args.mode, page_table=page_table, num_splits=args.splits, causal=args.causal)
+        extra = {"config_overrides": {"rows": True}} if args.rows else {}
+        return run_harness(run_data, args.mode, page_table=page_table, num_splits=args.splits, causal=args.causal,
+                           **extra)
 for _ in range(args.reps):
     out = call()
 torch.cuda.synchronize()
