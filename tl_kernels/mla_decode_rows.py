@@ -141,6 +141,10 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
     stages = cfg.num_stages
     bf16, f32 = "bfloat16", "float32"
     chunk = 8  # bf16 elements per 16-byte cp.async
+    # Registers per thread at launch (ptxas's cap for this block size, a multiple of 8). setmaxnreg.inc may only
+    # raise a warp group's count and .dec only lower it: a budget below the launch count is a .dec (an .inc to a
+    # smaller count is an illegal instruction on the H200).
+    launch_regs = 65536 // cfg.threads // 8 * 8
 
     total_q = T.dynamic("total_q")
     cache_rows = T.dynamic("cache_rows")
@@ -277,7 +281,7 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
 
             if tx < WG:
                 # ---- Warp group 0: S = Q K^T, softmax, O[:, :256] ----
-                T.set_max_nreg(cfg.softmax_regs, 1)
+                T.set_max_nreg(cfg.softmax_regs, int(cfg.softmax_regs >= launch_regs))
                 score_scale = T.alloc_var(f32, init=sm_scale * LOG2E)
                 for q_pass in T.serial(num_passes):
                     q_base = (q_pass * q_slots + q_slot) * q_group
@@ -382,7 +386,7 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
                             Semaphores[seq_id * row_tiles + rt] = 0
             elif tx < 2 * WG:
                 # ---- Warp group 1: O[:, 256:] with warp group 0's P and rescale ----
-                T.set_max_nreg(cfg.pv_regs, 1)
+                T.set_max_nreg(cfg.pv_regs, int(cfg.pv_regs >= launch_regs))
                 for q_pass in T.serial(num_passes):
                     q_base = (q_pass * q_slots + q_slot) * q_group
                     T.fill(acc_o_r, 0)
@@ -416,7 +420,7 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
                                        q_begin, q_base, q_len, hg, HALF, num_splits, False)
             else:
                 # ---- Producer: bf16 tiles into the ring, one stage ahead per free slot ----
-                T.set_max_nreg(cfg.producer_regs, 0)
+                T.set_max_nreg(cfg.producer_regs, int(cfg.producer_regs >= launch_regs))
                 p = tx - 2 * WG
                 for q_pass in T.serial(num_passes):
                     for rnd in T.serial(rounds):
