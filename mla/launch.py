@@ -172,17 +172,18 @@ class Launch:
             lse, return_lse, ws: Workspace | None = None):
         """Launches the kernels on the caller's tensors; returns ``out`` or ``(out, lse)``. ``ws``: a plan's
         workspace; None: the eager call's (``eager_workspace``)."""
+        # Sizes are passed unpacked: torch parses them ~0.4 us (empty) to ~0.8 us (view) faster than a tuple.
         if out is None:
-            out = torch.empty(self.out_shape, dtype=_BF16, device=self.device)
+            out = torch.empty(*self.out_shape, dtype=_BF16, device=self.device)
         eager = ws is None
         if eager:
             ws = self.eager_workspace()
         if lse is None:
-            lse = torch.empty(self.lse_shape, dtype=_FP32, device=self.device) if return_lse else ws.lse
+            lse = torch.empty(*self.lse_shape, dtype=_FP32, device=self.device) if return_lse else ws.lse
         if self.decode is None:  # no query or no sequence: nothing to compute
             return (out, lse) if return_lse else out
 
-        kv_rows = (kv_cache.view(_UINT8) if self.kv_as_uint8 else kv_cache).view(self.kv_rows_shape)
+        kv_rows = (kv_cache.view(_UINT8) if self.kv_as_uint8 else kv_cache).view(*self.kv_rows_shape)
         block_scales = self.block_scales
         if block_scales is None:
             block_scales = (kv_block_scale.view(_UINT8) if self.block_scale_as_uint8 else kv_block_scale
