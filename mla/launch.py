@@ -74,9 +74,6 @@ class Workspace(NamedTuple):
     q_amax_arg: torch.Tensor | None = None
 
 
-_LAYOUTS: dict = {}  # eager scratch layout (views and offsets) -> small int, the key of its views in a scratch
-
-
 class Launch:
     """One call signature, prepared: ``run`` allocates the output (unless given) and launches; everything else it
     writes is in a workspace (a plan's, or views of the eager call's per-stream scratch). Nothing in it depends on
@@ -84,7 +81,7 @@ class Launch:
 
     __slots__ = ("device", "forced_target", "cache_rows", "total_q", "page_size", "decode", "combine", "num_splits",
                  "fused", "semaphore_count", "dummy_partials", "out_shape", "lse_shape", "scratch_numel",
-                 "o_partial_view", "lse_partial_view", "unread_lse_offset", "amax_offset", "layout_id",
+                 "o_partial_view", "lse_partial_view", "unread_lse_offset", "amax_offset",
                  "kv_rows_shape", "kv_as_uint8", "block_scale_len", "block_scale_as_uint8", "block_scales",
                  "scale_stride", "q_mode", "q_scale", "reshape_q_scale", "kv_scale", "reshape_kv_scale", "paged")
 
@@ -127,9 +124,6 @@ class Launch:
             self.unread_lse_offset = _aligned(o_numel) + _aligned(lse_partial_numel)
         self.amax_offset = self.unread_lse_offset + _aligned(rows) if self.q_mode == "fp8" else None
         self.scratch_numel = self.unread_lse_offset + _aligned(rows) + (1 if self.q_mode == "fp8" else 0)
-        layout = (self.o_partial_view, self.lse_partial_view, self.fused, self.lse_shape, self.unread_lse_offset,
-                  self.amax_offset)
-        self.layout_id = _LAYOUTS.setdefault(layout, len(_LAYOUTS))
         self.kv_rows_shape = (call.cache_rows, call.row)
         self.kv_as_uint8 = call.kv_as_uint8
         self.block_scale_len, self.block_scale_as_uint8 = call.block_scale_len, call.block_scale_as_uint8
@@ -147,14 +141,16 @@ class Launch:
 
     def eager_workspace(self) -> Workspace:
         """The eager call's workspace: views of the current stream's scratch (``workspace.scratch``), made once per
-        scratch buffer and layout and kept with the buffer; inside CUDA-graph capture, views of this call's own
+        scratch buffer and launch and kept with the buffer; inside CUDA-graph capture, views of this call's own
         allocation (from the graph's pool). Semaphores are not in it (``workspace.semaphores``, per call)."""
         scratch = workspace.scratch(self.device, self.scratch_numel)
         if scratch is None:
             return self._views(torch.empty(self.scratch_numel, dtype=_FP32, device=self.device))
-        views = scratch.views.get(self.layout_id)
+        views = scratch.views.get(self)
         if views is None:
-            views = scratch.views[self.layout_id] = self._views(scratch.buffer)
+            if len(scratch.views) >= workspace.SCRATCH_VIEWS:
+                scratch.views.clear()
+            views = scratch.views[self] = self._views(scratch.buffer)
         return views
 
     def _views(self, buf: torch.Tensor) -> Workspace:

@@ -31,8 +31,9 @@ class DecodePlan:
 
     ``run`` does no host-device synchronisation and allocates nothing but its output (none with ``out=``; an LSE
     only with ``return_lse`` and no ``lse=``): it can be captured in a CUDA graph, and a graph replays it with
-    whatever the plan's index tensors hold then. One plan's workspace serves one stream at a time: runs of the same
-    plan on concurrent streams race.
+    whatever the plan's index tensors hold then. One plan's workspace (split partials, unread LSE, semaphores,
+    a8w8's amax(|q|)) serves one stream at a time: runs of the same plan on concurrent streams race; give each
+    stream its own plan. (The eager ``mla_decode`` keeps one scratch per stream and has no such rule.)
     """
 
     def __init__(self, *, spec, device, kv_format, q_format, num_heads, causal, sm_scale, page_size, kv_lens,

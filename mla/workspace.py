@@ -40,6 +40,7 @@ _SEMAPHORES: dict = {}  # (device index, raw stream) -> zeroed int32 tensor
 _RETIRED: list = []  # outgrown semaphore buffers, kept alive
 _SCRATCH: dict = {}  # (device, raw stream) -> Scratch
 SCRATCH_GRANULE = 1 << 16  # float32 elements: the scratch grows in steps of 256 KiB
+SCRATCH_VIEWS = 64  # launches whose views of one scratch are kept (all dropped when full)
 
 
 def unit_scale(device: torch.device) -> torch.Tensor:
@@ -78,8 +79,8 @@ def semaphores(device: torch.device, count: int) -> torch.Tensor:
 
 
 class Scratch:
-    """One stream's eager scratch: ``buffer`` (float32) and the views callers made of it (``views``: layout key
-    -> their views), which go when the buffer is outgrown."""
+    """One stream's eager scratch: ``buffer`` (float32) and the views launches made of it (``views``: launch ->
+    its views, at most SCRATCH_VIEWS), which go with the buffer when it is outgrown."""
 
     __slots__ = ("buffer", "views")
 
