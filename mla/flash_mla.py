@@ -222,22 +222,26 @@ class _Run:
 
     def __call__(self, q, k_cache, block_table, cache_seqlens, descale_q, descale_k, kv_block_scale, sm_scale):
         kv_indptr, fix_lse = self.kv_indptr, self.fix_lse
-        if self.on_cuda and torch.cuda.is_current_stream_capturing():
+        if self.on_cuda and torch._C._cuda_isCurrentStreamCapturing():
             # A graph replays with whatever cache_seqlens holds then: its offsets are computed inside the graph.
             kv_indptr = torch.zeros_like(self.kv_indptr)
             torch.cumsum(cache_seqlens, 0, dtype=torch.int32, out=kv_indptr[1:])
             fix_lse = True
-        out, lse = self.launch.run(q.view(self.q_rows_shape), k_cache, self.qo_indptr, kv_indptr, block_table,
-                                   descale_k, kv_block_scale, descale_q, sm_scale, None, None, True, self.ws)
+        q_rows = q.view(*self.q_rows_shape)
         if self.s_q == 1:  # (batch, h_q) rows are (batch, h_q, 1) already: one view
-            lse = lse.view(self.lse_shape)
+            out, lse = self.launch.run(q_rows, k_cache, self.qo_indptr, kv_indptr, block_table, descale_k,
+                                       kv_block_scale, descale_q, sm_scale, None, None, True, self.ws)
+            lse = lse.view(*self.lse_shape)
             if fix_lse:  # +inf where nothing is seen (nan_to_num keeps NaN and +inf)
                 lse = torch.nan_to_num(lse, nan=_NAN, posinf=_INF, neginf=_INF)
-        else:  # one kernel: (batch, s_q, h_q) -> (batch, h_q, s_q), and +inf where nothing is seen
-            lse = torch.nan_to_num(lse.view(self.lse_rows_shape).transpose(1, 2), nan=_NAN, posinf=_INF,
-                                   neginf=_INF, out=torch.empty(self.lse_shape, dtype=torch.float32,
-                                                                device=lse.device))
-        return out.view(self.out_shape), lse
+        else:  # the kernels write the plan's LSE rows; one kernel: (batch, s_q, h_q) -> (batch, h_q, s_q), and
+            # +inf where nothing is seen
+            out = self.launch.run(q_rows, k_cache, self.qo_indptr, kv_indptr, block_table, descale_k, kv_block_scale,
+                                  descale_q, sm_scale, None, None, False, self.ws)
+            lse = torch.nan_to_num(self.ws.lse.view(*self.lse_rows_shape).transpose(1, 2), nan=_NAN, posinf=_INF,
+                                   neginf=_INF, out=torch.empty(*self.lse_shape, dtype=torch.float32,
+                                                                device=self.launch.device))
+        return out.view(*self.out_shape), lse
 
 
 def _prepare(*args) -> _Run:

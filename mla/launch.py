@@ -30,6 +30,7 @@ from mla.target import TARGET_ENV
 from mla.validate import CallSpec, KVFormat, QFormat, check_call, check_sm_scale, validate_index_values
 
 _BF16, _FP32, _UINT8 = torch.bfloat16, torch.float32, torch.uint8
+_INF = math.inf
 
 
 class Kernels(NamedTuple):
@@ -57,8 +58,11 @@ def kernels(spec, kv_format, q_format, num_heads, causal, page_size, batch, tota
 
 
 class Workspace(NamedTuple):
-    """A plan's preallocated buffers (``DecodePlan``): the split partials (shaped for the two-kernel form, flat for
-    the fused one; None without splits), an LSE for runs that return none, and semaphores (None unless fused)."""
+    """The buffers a launch writes besides the output: the split partials (shaped for the two-kernel form, flat
+    for the fused one; None without splits), an LSE for runs that return none, semaphores (None unless fused) and,
+    for a8w8 from bf16 Q, amax(|q|) as the reduction writes it (0-d) and as the kernel reads it ((1,), same
+    memory). A plan owns one (``DecodePlan``); an eager call takes views of its stream's scratch
+    (``Launch.eager_workspace``)."""
 
     o_partial: torch.Tensor | None
     lse_partial: torch.Tensor | None
@@ -66,15 +70,19 @@ class Workspace(NamedTuple):
     lse_partial_flat: torch.Tensor | None
     lse: torch.Tensor
     semaphores: torch.Tensor | None
+    q_amax: torch.Tensor | None = None
+    q_amax_arg: torch.Tensor | None = None
 
 
 class Launch:
-    """One call signature, prepared: ``run`` allocates the outputs (unless given) and the split partials (unless a
-    plan's workspace holds them) and launches. Nothing in it depends on tensor values."""
+    """One call signature, prepared: ``run`` allocates the output (unless given) and launches; everything else it
+    writes is in a workspace (a plan's, or views of the eager call's per-stream scratch). Nothing in it depends on
+    tensor values."""
 
     __slots__ = ("device", "forced_target", "cache_rows", "total_q", "page_size", "decode", "combine", "num_splits",
-                 "fused", "semaphore_count", "dummy_partials", "out_shape", "lse_shape", "scratch_numel", "lse_numel", "o_partial_view",
-                 "lse_partial_view", "kv_rows_shape", "kv_as_uint8", "block_scale_len", "block_scale_as_uint8", "block_scales",
+                 "fused", "semaphore_count", "dummy_partials", "out_shape", "lse_shape", "scratch_numel",
+                 "o_partial_view", "lse_partial_view", "unread_lse_offset", "amax_offset",
+                 "kv_rows_shape", "kv_as_uint8", "block_scale_len", "block_scale_as_uint8", "block_scales",
                  "scale_stride", "q_mode", "q_scale", "reshape_q_scale", "kv_scale", "reshape_kv_scale", "paged")
 
     def __init__(self, call: CallSpec, *, causal: bool, num_splits: int | None, total_kv: int, overrides: tuple):
@@ -97,27 +105,32 @@ class Launch:
                 self.semaphore_count = call.batch * per_seq
         # The fused kernels' partial arguments with one split (never read), made here: not inside a graph capture.
         self.dummy_partials = workspace.dummy_fp32(device) if self.fused and self.num_splits == 1 else None
-        # Split partials of an eager call: views of one fp32 scratch allocation, o_partial first, then lse_partial,
-        # then (when nobody reads it) the LSE; each part starts at a multiple of 64 elements (256 B). The fused
-        # kernels take the partials flat.
+        self.q_mode = call.kernel_q_format  # "bf16": unit scale; "fp8": amax(|q|) per call; "fp8_codes": caller's
+        # The eager call's scratch (``workspace.scratch``, float32): o_partial, lse_partial (when split), the LSE
+        # nobody reads, amax(|q|) (a8w8); each part starts at a multiple of 64 elements (256 B). The fused kernels
+        # take the partials flat.
         rows = call.total_q * call.num_heads
         o_numel, lse_partial_numel = self.num_splits * rows * KV_LORA_RANK, self.num_splits * rows
-        self.scratch_numel = _aligned(o_numel) + _aligned(lse_partial_numel)
-        self.lse_numel = rows
         lse_partial_shape = (self.num_splits, *self.lse_shape)
         o_shape = (*lse_partial_shape, KV_LORA_RANK)
-        if self.fused:
+        if self.num_splits == 1:
+            self.o_partial_view = self.lse_partial_view = None
+            self.unread_lse_offset = 0
+        elif self.fused:
             self.o_partial_view = ((o_numel,), (1,), 0)
             self.lse_partial_view = ((lse_partial_numel,), (1,), _aligned(o_numel))
+            self.unread_lse_offset = _aligned(o_numel) + _aligned(lse_partial_numel)
         else:
             self.o_partial_view = (o_shape, _contiguous_strides(o_shape), 0)
             self.lse_partial_view = (lse_partial_shape, _contiguous_strides(lse_partial_shape), _aligned(o_numel))
+            self.unread_lse_offset = _aligned(o_numel) + _aligned(lse_partial_numel)
+        self.amax_offset = self.unread_lse_offset + _aligned(rows) if self.q_mode == "fp8" else None
+        self.scratch_numel = self.unread_lse_offset + _aligned(rows) + (1 if self.q_mode == "fp8" else 0)
         self.kv_rows_shape = (call.cache_rows, call.row)
         self.kv_as_uint8 = call.kv_as_uint8
         self.block_scale_len, self.block_scale_as_uint8 = call.block_scale_len, call.block_scale_as_uint8
         self.scale_stride = call.scale_stride
         self.block_scales = None if call.block_scale_len else workspace.no_block_scales(device)
-        self.q_mode = call.kernel_q_format  # "bf16": unit scale; "fp8": amax(|q|) per call; "fp8_codes": caller's
         self.q_scale = workspace.unit_scale(device) if self.q_mode == "bf16" else None
         self.reshape_q_scale = call.reshape_q_scale
         self.kv_scale = None if call.kv_format == "fp8" else workspace.unit_scale(device)
@@ -128,47 +141,63 @@ class Launch:
         """Whether $MLA_TARGET changed since this launch was made for a device that is no GPU (tests)."""
         return self.forced_target is not None and os.environ.get(TARGET_ENV) != self.forced_target
 
+    def eager_workspace(self) -> Workspace:
+        """The eager call's workspace: views of the current stream's scratch (``workspace.scratch``), made once per
+        scratch buffer and launch and kept with the buffer; inside CUDA-graph capture, views of this call's own
+        allocation (from the graph's pool). Semaphores are not in it (``workspace.semaphores``, per call)."""
+        scratch = workspace.scratch(self.device, self.scratch_numel)
+        if scratch is None:
+            return self._views(torch.empty(self.scratch_numel, dtype=_FP32, device=self.device))
+        views = scratch.views.get(self)
+        if views is None:
+            if len(scratch.views) >= workspace.SCRATCH_VIEWS:
+                scratch.views.clear()
+            views = scratch.views[self] = self._views(scratch.buffer)
+        return views
+
+    def _views(self, buf: torch.Tensor) -> Workspace:
+        o_partial = lse_partial = o_flat = lse_flat = amax = amax_arg = None
+        if self.o_partial_view is not None:
+            o_partial, lse_partial = buf.as_strided(*self.o_partial_view), buf.as_strided(*self.lse_partial_view)
+            if self.fused:
+                o_partial, lse_partial, o_flat, lse_flat = None, None, o_partial, lse_partial
+        lse = buf.as_strided(self.lse_shape, (self.lse_shape[1], 1), self.unread_lse_offset)
+        if self.amax_offset is not None:
+            amax, amax_arg = buf.as_strided((), (), self.amax_offset), buf.as_strided((1,), (1,), self.amax_offset)
+        return Workspace(o_partial, lse_partial, o_flat, lse_flat, lse, None, amax, amax_arg)
+
     def run(self, q, kv_cache, qo_indptr, kv_indptr, page_table, kv_scale, kv_block_scale, q_scale, sm_scale, out,
             lse, return_lse, ws: Workspace | None = None):
-        """Launches the kernels on the caller's tensors; returns ``out`` or ``(out, lse)``."""
-        device = self.device
+        """Launches the kernels on the caller's tensors; returns ``out`` or ``(out, lse)``. ``ws``: a plan's
+        workspace; None: the eager call's (``eager_workspace``)."""
+        # Sizes are passed unpacked: torch parses them ~0.4 us (empty) to ~0.8 us (view) faster than a tuple.
         if out is None:
-            out = torch.empty(self.out_shape, dtype=_BF16, device=device)
-        o_partial = lse_partial = None
-        if ws is not None:  # a plan's run: its workspace holds the partials and an LSE nobody reads
-            if lse is None:
-                lse = torch.empty(self.lse_shape, dtype=_FP32, device=device) if return_lse else ws.lse
-            if self.num_splits > 1:
-                o_partial, lse_partial = (ws.o_partial_flat, ws.lse_partial_flat) if self.fused else (ws.o_partial,
-                                                                                                     ws.lse_partial)
-        elif self.num_splits > 1:
-            # One fp32 allocation holds the split partials, and the LSE when nobody reads it.
-            if lse is None and not return_lse:
-                scratch = torch.empty(self.scratch_numel + self.lse_numel, dtype=_FP32, device=device)
-                lse = scratch.as_strided(self.lse_shape, (self.lse_shape[1], 1), self.scratch_numel)
-            else:
-                scratch = torch.empty(self.scratch_numel, dtype=_FP32, device=device)
-                if lse is None:
-                    lse = torch.empty(self.lse_shape, dtype=_FP32, device=device)
-            o_partial = scratch.as_strided(*self.o_partial_view)
-            lse_partial = scratch.as_strided(*self.lse_partial_view)
-        elif lse is None:
-            lse = torch.empty(self.lse_shape, dtype=_FP32, device=device)
+            out = torch.empty(*self.out_shape, dtype=_BF16, device=self.device)
+        eager = ws is None
+        if eager:
+            ws = self.eager_workspace()
+        if lse is None:
+            lse = torch.empty(*self.lse_shape, dtype=_FP32, device=self.device) if return_lse else ws.lse
         if self.decode is None:  # no query or no sequence: nothing to compute
             return (out, lse) if return_lse else out
 
-        kv_rows = (kv_cache.view(_UINT8) if self.kv_as_uint8 else kv_cache).view(self.kv_rows_shape)
+        kv_rows = (kv_cache.view(_UINT8) if self.kv_as_uint8 else kv_cache).view(*self.kv_rows_shape)
         block_scales = self.block_scales
         if block_scales is None:
             block_scales = (kv_block_scale.view(_UINT8) if self.block_scale_as_uint8 else kv_block_scale
                             ).as_strided((self.block_scale_len,), (1,))
-        if self.q_mode == "bf16":
+        q_mode = self.q_mode
+        if q_mode == "bf16":
             q_scale = self.q_scale
-        elif self.q_mode == "fp8":
-            # a8w8: amax(|q|), one reduction on the device (no host sync); the kernel rounds Q with it. The kernels
-            # cannot fuse it: every CTA would need the amax over all of Q (tools/host_cost.py --a8w8 measures the
-            # ways to compute it).
-            q_scale = torch.linalg.vector_norm(q, ord=math.inf, dtype=_FP32).reshape(1)
+        elif q_mode == "fp8":
+            # a8w8: amax(|q|), one reduction on the device (no host sync), written into the workspace; the kernel
+            # rounds Q with it. The kernels cannot fuse it: every CTA would need the amax over all of Q. Why this
+            # reduction (tools/host_cost.py --a8w8 measures the ways, host and GPU): vector_norm(ord=inf,
+            # dtype=fp32) is ONE reduction kernel that reads bf16 and writes the fp32 amax (|x| and the max are
+            # exact, so it equals q.abs().amax().float() bit for bit, NaN included), where q.abs().amax().float()
+            # is three launches and two allocations; out= drops the output allocation and the (1,) reshape.
+            torch.linalg.vector_norm(q, ord=_INF, dtype=_FP32, out=ws.q_amax)
+            q_scale = ws.q_amax_arg
         elif self.reshape_q_scale:
             q_scale = q_scale.reshape(1)
         if self.kv_scale is not None:
@@ -182,15 +211,17 @@ class Launch:
             args = (q, kv_rows, block_scales, self.scale_stride, q_scale, kv_scale, qo_indptr, kv_indptr, sm_scale)
         if self.fused:
             # One launch: the split combine runs inside the decode kernel (see the module docstring).
-            if o_partial is None:
+            if self.num_splits == 1:
                 o_partial = lse_partial = self.dummy_partials
-            semaphores = ws.semaphores if ws is not None else workspace.semaphores(device, self.semaphore_count)
+            else:
+                o_partial, lse_partial = ws.o_partial_flat, ws.lse_partial_flat
+            semaphores = workspace.semaphores(self.device, self.semaphore_count) if eager else ws.semaphores
             self.decode(*args, self.num_splits, o_partial, lse_partial, semaphores, out, lse)
-        elif o_partial is None:
+        elif self.num_splits == 1:
             self.decode(*args, out, lse)
         else:
-            self.decode(*args, o_partial, lse_partial)
-            self.combine(o_partial, lse_partial, out, lse)
+            self.decode(*args, ws.o_partial, ws.lse_partial)
+            self.combine(ws.o_partial, ws.lse_partial, out, lse)
         return (out, lse) if return_lse else out
 
 

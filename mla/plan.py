@@ -31,8 +31,9 @@ class DecodePlan:
 
     ``run`` does no host-device synchronisation and allocates nothing but its output (none with ``out=``; an LSE
     only with ``return_lse`` and no ``lse=``): it can be captured in a CUDA graph, and a graph replays it with
-    whatever the plan's index tensors hold then. One plan's workspace serves one stream at a time: runs of the same
-    plan on concurrent streams race.
+    whatever the plan's index tensors hold then. One plan's workspace (split partials, unread LSE, semaphores,
+    a8w8's amax(|q|)) serves one stream at a time: runs of the same plan on concurrent streams race; give each
+    stream its own plan. (The eager ``mla_decode`` keeps one scratch per stream and has no such rule.)
     """
 
     def __init__(self, *, spec, device, kv_format, q_format, num_heads, causal, sm_scale, page_size, kv_lens,
@@ -64,7 +65,11 @@ class DecodePlan:
             o_partial, lse_partial = o_flat.view(*shape, KV_LORA_RANK), lse_flat.view(shape)
         unread_lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=device)
         semaphores = self._semaphores() if fused else None
-        self._ws = Workspace(o_partial, lse_partial, o_flat, lse_flat, unread_lse, semaphores)
+        q_amax = q_amax_arg = None
+        if q_format == "fp8":  # a8w8 from bf16 Q: amax(|q|), written by each run's reduction, read by its kernel
+            q_amax_arg = torch.empty(1, dtype=torch.float32, device=device)
+            q_amax = q_amax_arg.view(())
+        self._ws = Workspace(o_partial, lse_partial, o_flat, lse_flat, unread_lse, semaphores, q_amax, q_amax_arg)
 
     @property
     def _o_partial(self):

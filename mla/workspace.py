@@ -1,6 +1,8 @@
 """Device buffers the op keeps across calls: per-device constants (the unit scale of formats without one, the
-stand-in block scales, 1-element dummies) and, for kernels that fuse the split combine, zeroed int32 semaphores
-per (device, stream).
+stand-in block scales, 1-element dummies), for kernels that fuse the split combine, zeroed int32 semaphores per
+(device, stream), and the eager call's fp32 scratch per (device, stream) (its split partials, the LSE nobody
+reads, a8w8's amax(|q|)): calls on one stream are ordered, so one buffer per stream serves every eager call on it
+without a race, and the call allocates only its output.
 
 Why they are allocated the way they are: torch.compile(mode="reduce-overhead") runs a function's warm-up and
 records it with every allocation of the current stream routed to the private pool of its CUDA-graph trees, and it
@@ -17,7 +19,8 @@ it is then initialised on the current stream (constants: on the side stream, wai
 
 Inside CUDA-graph capture nothing persistent is made: a missing constant is an error (warm up once outside
 capture, as the kernels need anyway), and missing semaphores are a fresh ``torch.zeros`` that belongs to the
-graph (its memset replays with it).
+graph (its memset replays with it). The scratch is never used inside a capture (``scratch`` returns None: the
+caller allocates from the graph's pool), so two graphs never share it, whatever streams replay them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ _POOLS: dict = {}  # device -> torch.cuda.MemPool (None where torch has none)
 _CONSTANTS: dict = {}  # (device, name) -> tensor
 _SEMAPHORES: dict = {}  # (device index, raw stream) -> zeroed int32 tensor
 _RETIRED: list = []  # outgrown semaphore buffers, kept alive
+_SCRATCH: dict = {}  # (device, raw stream) -> Scratch
+SCRATCH_GRANULE = 1 << 16  # float32 elements: the scratch grows in steps of 256 KiB
+SCRATCH_VIEWS = 64  # launches whose views of one scratch are kept (all dropped when full)
 
 
 def unit_scale(device: torch.device) -> torch.Tensor:
@@ -70,6 +76,42 @@ def semaphores(device: torch.device, count: int) -> torch.Tensor:
     buf = _SEMAPHORES[key] = _allocate(device, (size,), torch.int32)
     buf.zero_()  # on the current stream: ordered before every use on it
     return buf
+
+
+class Scratch:
+    """One stream's eager scratch: ``buffer`` (float32) and the views launches made of it (``views``: launch ->
+    its views, at most SCRATCH_VIEWS), which go with the buffer when it is outgrown."""
+
+    __slots__ = ("buffer", "views")
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.views = buffer, {}
+
+
+def scratch(device: torch.device, numel: int) -> Scratch | None:
+    """The eager call's float32 scratch of the current stream of ``device``, at least ``numel`` elements
+    (uninitialised; its contents are the last call's), or None inside CUDA-graph capture (the caller allocates one
+    that belongs to the graph). Calls on one stream are ordered, so each stream's buffer serves every call on it.
+    Grown when too small: the outgrown buffer is released once the current stream's queued work is done
+    (``record_stream``), as nothing but this stream used it."""
+    if device.type != "cuda":  # lowering-only targets (tests): no streams
+        key = (device, None)
+    else:
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return None
+        key = (device, torch._C._cuda_getCurrentRawStream(device.index))
+    found = _SCRATCH.get(key)
+    if found is not None and found.buffer.numel() >= numel:
+        return found
+    size = -(-numel // SCRATCH_GRANULE) * SCRATCH_GRANULE
+    if device.type != "cuda":
+        buf = torch.empty(size, dtype=torch.float32, device=device)
+    else:
+        if found is not None:
+            found.buffer.record_stream(torch.cuda.current_stream(device))
+        buf = _allocate(device, (size,), torch.float32)
+    found = _SCRATCH[key] = Scratch(buf)
+    return found
 
 
 def zeroed_int32(device: torch.device, count: int) -> torch.Tensor:

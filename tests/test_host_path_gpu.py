@@ -166,3 +166,38 @@ def test_unit_scale_is_one():
     device = torch.device("cuda", torch.cuda.current_device())
     assert workspace.unit_scale(device).tolist() == [1.0]
     assert not workspace.no_block_scales(device).any()
+
+
+@launches(lambda mode, **_: [(mode, 16, 1, False)])
+@pytest.mark.parametrize("mode", ["bf16", "a8w8"])
+def test_eager_scratch_is_per_stream_and_never_captured(mode):
+    """The eager call's scratch (split partials, the LSE nobody reads, a8w8's amax(|q|)) is one buffer per stream:
+    two streams running eager calls at once do not race; a CUDA-graph capture takes its own (graph-owned) scratch,
+    so eager calls on the capturing stream between replays leave the graph's result alone."""
+    data = make_harness_inputs(4, 1024, seed=0)
+    other = make_harness_inputs(4, 1024, seed=1)  # same signature, other values
+    expected, expected_other = run_mode(mla.decode.mla_decode, mode, data), run_mode(mla.decode.mla_decode, mode, other)
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for _ in range(20):  # interleaved, no synchronisation between the streams
+        for s, inputs, got in zip(streams, (data, other), outs):
+            with torch.cuda.stream(s):
+                got.append(run_mode(mla.decode.mla_decode, mode, inputs))
+    torch.cuda.synchronize()
+    for got, want in zip(outs, (expected, expected_other)):
+        for out in got:
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+    device = data[0].device
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = run_mode(mla.decode.mla_decode, mode, data)
+    with torch.cuda.stream(torch.cuda.graph.default_capture_stream):  # eager calls on the stream that captured
+        run_mode(mla.decode.mla_decode, mode, other)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static, expected, rtol=0, atol=0)
+    assert workspace.scratch(device, 1) is not None, "outside capture: the stream's scratch"

@@ -131,6 +131,24 @@ def test_eager_split_partials_share_one_allocation(no_kernels):
     assert returned.untyped_storage().nbytes() == 2 * 32 * 4, "a returned LSE is its own allocation"
 
 
+def test_eager_buffers_are_views_of_the_stream_scratch(no_kernels):
+    """An eager call allocates only its output: its split partials (and a8w8's amax) are views of the stream's
+    scratch (``workspace.scratch``), made once per buffer and launch; a scratch too small is replaced by a larger
+    one, with no views yet."""
+    q, kv, qo, kvp = flat_inputs([3000, 5000], heads=32)
+    for _ in range(2):
+        mla_decode(q, kv, qo, kvp, num_splits=4)
+    first, second = [a for name, a in launched(no_kernels) if "combine" not in name]
+    assert first[-2] is second[-2] and first[-1] is second[-1], "the views are made once"
+    cpu = torch.device("cpu")
+    scratch = workspace.scratch(cpu, 1)
+    assert first[-2].untyped_storage().data_ptr() == scratch.buffer.untyped_storage().data_ptr()
+    assert workspace.scratch(cpu, scratch.buffer.numel()) is scratch
+    bigger = workspace.scratch(cpu, scratch.buffer.numel() + 1)
+    assert bigger is not scratch and bigger.buffer.numel() > scratch.buffer.numel() and not bigger.views
+    assert bigger.buffer.dtype == torch.float32 and bigger.buffer.numel() % workspace.SCRATCH_GRANULE == 0
+
+
 def test_a8w8_reduces_q_once_per_call(monkeypatch, no_kernels):
     norms = []
     real = torch.linalg.vector_norm

@@ -9,6 +9,7 @@ on the GPU host a launch adds the tvm-ffi call itself and CUDA allocations cost 
                                                     # flash_mla_with_kvcache with reused metadata, 4 x 1024
     python tools/host_cost.py --calls 20000 --batch 64 --kv-len 8192
     python tools/host_cost.py --profile bf16        # cProfile of the eager bf16 call (top 25 by own time)
+    python tools/host_cost.py --profile fp8 --call flash --page-size 64     # ... of another entry point
     python tools/host_cost.py --device cuda --profile bf16      # the same with real kernels (GPU host)
     python tools/host_cost.py --device cuda --primitives        # us per torch.empty / view / as_strided / launch ...
     python tools/host_cost.py --device cuda --a8w8              # the ways to compute a8w8's amax(|q|), host and GPU
@@ -135,7 +136,9 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=64, help="page size of the paged rows (0: flat only)")
     parser.add_argument("--calls", type=int, default=5000)
-    parser.add_argument("--profile", metavar="MODE", help="cProfile the eager call of MODE instead")
+    parser.add_argument("--profile", metavar="MODE", help="cProfile one call of MODE instead (--call)")
+    parser.add_argument("--call", choices=("eager", "plan", "flash"), default="eager",
+                        help="the entry point --profile profiles (flash: paged, with --page-size)")
     parser.add_argument("--device", choices=("meta", "cuda"), default="meta",
                         help="meta: no-op launchers (default); cuda: the real kernels")
     parser.add_argument("--primitives", action="store_true", help="time the torch / tvm-ffi primitives of a call")
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
         import cProfile
         import pstats
 
-        fn = callables(args.profile, args, 0)["eager"]
+        fn = callables(args.profile, args, args.page_size if args.call == "flash" else 0)[args.call]
         per_call_us(fn, 200)
         profiler = cProfile.Profile()
         profiler.enable()
@@ -220,8 +223,16 @@ def print_a8w8_options(args) -> int:
     """a8w8 needs amax(|q|) over all of Q as a (1,) float32 before the decode kernel (the kernels cannot fuse it:
     every CTA would need the whole of Q). Host us per call, and on cuda the GPU time, of the ways to get it."""
     q = inputs("bf16", args.batch, args.kv_len, args.heads, 0)[0]
+    slot = torch.empty(1, dtype=torch.float32, device=DEVICE)  # the workspace's amax: (1,) and a 0-d view
+    slot_0d = slot.view(())
+
+    def into_slot():
+        torch.linalg.vector_norm(q, ord=math.inf, dtype=torch.float32, out=slot_0d)
+        return slot
+
     options = {
-        "vector_norm(q, inf, dtype=fp32).reshape(1) [the op's]":
+        "vector_norm(q, inf, dtype=fp32, out=slot) [the op's]": into_slot,
+        "vector_norm(q, inf, dtype=fp32).reshape(1)":
             lambda: torch.linalg.vector_norm(q, ord=math.inf, dtype=torch.float32).reshape(1),
         "vector_norm(q.view(1, -1), inf, dim=1, dtype=fp32)":
             lambda: torch.linalg.vector_norm(q.view(1, -1), ord=math.inf, dim=1, dtype=torch.float32),
