@@ -143,8 +143,13 @@ def test_fits_shared_memory(source):
 def test_three_roles_with_their_own_register_budgets(source):
     cfg, src = source
     assert "__launch_bounds__(384, 1)" in src, "setmaxnreg needs a register cap at entry"
-    assert f"warpgroup_reg_alloc<{cfg.softmax_regs}>" in src and f"warpgroup_reg_alloc<{cfg.pv_regs}>" in src
-    assert f"warpgroup_reg_dealloc<{cfg.producer_regs}>" in src
+    # Each role moves from the launch count (65536 / 384 threads, rounded down to 8: 168) to its budget: up with
+    # .inc, down with .dec. An .inc to a lower count is an illegal instruction on the H200 (seen with pv_regs 160).
+    launch_regs = 65536 // 384 // 8 * 8
+    for regs in (cfg.softmax_regs, cfg.pv_regs, cfg.producer_regs):
+        wanted, wrong = ("alloc", "dealloc") if regs >= launch_regs else ("dealloc", "alloc")
+        assert f"warpgroup_reg_{wanted}<{regs}>" in src, f"{cfg.name}: budget {regs} needs setmaxnreg.{wanted}"
+        assert f"warpgroup_reg_{wrong}<{regs}>" not in src, f"{cfg.name}: budget {regs} must not be a {wrong}"
 
 
 def test_producer_copies_are_async_and_never_waited_on(source):
