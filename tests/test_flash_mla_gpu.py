@@ -281,8 +281,10 @@ def _flashmla_child(mode, heads, s_q, path):
 
 def flashmla_outputs(mode, heads, s_q):
     """FlashMLA's (out, lse) for a case, computed in a child process (the inputs are seeded, so the child builds the
-    same ones): a fault in FlashMLA's own kernel (an illegal address kills the CUDA context) then fails only that
-    child, and is reported as FlashMLA's. Returns (out, lse) on the GPU, or None and the child's last lines."""
+    same ones). Why a child: in two H200 runs the in-process comparison hit an illegal address at a8w8 x 64 heads,
+    surfacing at the first synchronisation after FlashMLA's fp8 launch, and the dead CUDA context failed every later
+    case; in a fresh process all eight cases pass (docs/perf.md, run 16; the cause is not known). A failure of
+    FlashMLA's call then stays in its child. Returns (out, lse) on the GPU, or None and the child's last lines."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "flashmla.pt")
