@@ -133,21 +133,10 @@ def check_item(label: str) -> str:
 
 
 def time_us(fn, flush, reps: int) -> float:
-    import torch
+    """Median us of ``fn()`` over ``reps`` cold-L2 reps: bench.py's timing (``bench.time_call_us``)."""
+    import bench
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(bench.time_call_us(fn, reps=reps, warmup=3, flush=flush))
 
 
 def time_item(key: str, reps: int) -> str:

@@ -110,20 +110,11 @@ def check(spec, args) -> list[dict]:
     return rows
 
 
-def time_us(fn, flush, reps):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+def time_us(fn, flush, reps: int) -> float:
+    """Median us of ``fn()`` over ``reps`` cold-L2 reps: bench.py's timing (``bench.time_call_us``)."""
+    import bench
+
+    return statistics.median(bench.time_call_us(fn, reps=reps, warmup=3, flush=flush))
 
 
 def split_candidates(batch, kv_len):
