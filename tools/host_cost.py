@@ -13,9 +13,11 @@ on the GPU host a launch adds the tvm-ffi call itself and CUDA allocations cost 
     python tools/host_cost.py --device cuda --profile bf16      # the same with real kernels (GPU host)
     python tools/host_cost.py --device cuda --primitives        # us per torch.empty / view / as_strided / launch ...
     python tools/host_cost.py --device cuda --a8w8              # the ways to compute a8w8's amax(|q|), host and GPU
+    python tools/host_cost.py --device cuda --breakdown         # one plan.run per mode: its launches alone, its
+                                                                # Python alone (launchers made no-ops)
 
-Each line: the median over 5 rounds of (wall time of ``--calls`` back-to-back calls / calls), in us (on cuda with
-one synchronisation at the end of each round).
+Each line: the median over 5 rounds of (wall time of ``--calls`` back-to-back calls / calls), in us; on cuda the
+host's time alone: each round enqueues at most 200 calls while a sleep kernel holds the GPU (``per_call_us``).
 """
 
 from __future__ import annotations
@@ -72,18 +74,43 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+HELD_CALLS = 200  # calls per round on cuda: their launches must fit the launch queue behind the sleep kernel
+HELD_US_PER_CALL = 150.0  # sleep per queued call: longer than any call's host time here
+
+
 def per_call_us(fn, calls: int) -> float:
+    """Median over ROUNDS of the host time per call of ``calls`` back-to-back calls. On cuda the GPU is held by a
+    sleep kernel while the host enqueues HELD_CALLS calls per round, so the time is the host's alone (not the GPU's,
+    which back-to-back calls of a short kernel would otherwise measure); a round the sleep did not cover fails."""
     for _ in range(min(calls, 200)):  # warm-up: builds the caches
         fn()
     rounds = []
     for _ in range(ROUNDS):
         synchronize()
+        if DEVICE == "cuda":
+            calls = min(calls, HELD_CALLS)
+            held_us = calls * HELD_US_PER_CALL
+            torch.cuda._sleep(int(held_us * _cycles_per_us()))
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        elapsed_us = (time.perf_counter() - start) * 1e6
+        if DEVICE == "cuda" and elapsed_us > held_us:
+            raise RuntimeError(f"host_cost: {calls} calls took {elapsed_us:.0f} us, longer than the GPU was held")
         synchronize()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
+        rounds.append(elapsed_us / calls)
     return statistics.median(rounds)
+
+
+_CYCLES = []
+
+
+def _cycles_per_us() -> float:
+    if not _CYCLES:
+        import bench
+
+        _CYCLES.append(bench.sleep_cycles_per_us())
+    return _CYCLES[0]
 
 
 def callables(mode: str, args, page_size: int):
@@ -143,6 +170,8 @@ def main(argv=None) -> int:
                         help="meta: no-op launchers (default); cuda: the real kernels")
     parser.add_argument("--primitives", action="store_true", help="time the torch / tvm-ffi primitives of a call")
     parser.add_argument("--a8w8", action="store_true", help="time the ways to compute a8w8's amax(|q|)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="per mode: plan.run, each of its kernel launches alone, and plan.run with no-op launchers")
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = args.device
@@ -154,6 +183,8 @@ def main(argv=None) -> int:
         return print_primitives(args)
     if args.a8w8:
         return print_a8w8_options(args)
+    if args.breakdown:
+        return print_breakdown(args)
     if args.profile:
         import cProfile
         import pstats
@@ -200,7 +231,12 @@ def print_primitives(args) -> int:
         nop = tvm_ffi.get_global_func("testing.nop", allow_missing=True)
         if nop is not None:
             args12 = [q, kv, qo, kvp, q, kv, qo, kvp, q, kv, qo, kvp]
+            ops["tvm-ffi call, no arguments"] = lambda: nop()
+            ops["tvm-ffi call, 12 ints"] = lambda: nop(*range(12))
+            ops["tvm-ffi call, 1 CUDA tensor"] = lambda: nop(q)
             ops["tvm-ffi call, 12 CUDA tensors (no launch)"] = lambda: nop(*args12)
+        print(f"torch {torch.__version__}, tvm_ffi {tvm_ffi.__version__}; torch.Tensor has "
+              f"__dlpack_c_exchange_api__: {hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}")
         ops["raw current stream"] = lambda: torch._C._cuda_getCurrentRawStream(q.device.index)
         ops["torch.cuda.current_stream()"] = torch.cuda.current_stream
         from mla import jit as real_jit, schedule
@@ -216,6 +252,39 @@ def print_primitives(args) -> int:
     print(f"us per call on {DEVICE} (median of {ROUNDS} x {args.calls})")
     for name, fn in ops.items():
         print(f"  {name:<44} {per_call_us(fn, args.calls):8.2f}", flush=True)
+    return 0
+
+
+def print_breakdown(args) -> int:
+    """Where one ``DecodePlan.run`` spends its host time: the whole call, each kernel launcher called alone with the
+    arguments the run passed it, and the run with its launchers replaced by no-ops (the op's Python and torch work)."""
+    print(f"plan.run breakdown, us per call on {DEVICE} (batch {args.batch} x kv {args.kv_len}, {args.heads} heads, "
+          f"median of {ROUNDS} x {args.calls})")
+    print(f"  {'mode':<6} {'run':>8} {'no-op launchers':>16}   launches alone (positional tensors / other args)")
+    for mode in args.modes.split(","):
+        fns = callables(mode, args, 0)
+        planned = fns["plan"]
+        planned()
+        the_plan = planned.__closure__ and next(c.cell_contents for c in planned.__closure__
+                                                 if type(c.cell_contents).__name__ == "DecodePlan")
+        launch = next(iter(the_plan._launches.values()))
+        real = {name: getattr(launch, name) for name in ("decode", "combine") if getattr(launch, name) is not None}
+        captured = {}
+        for name, fn in real.items():
+            setattr(launch, name, lambda *a, _n=name, _f=fn: (captured.__setitem__(_n, a), _f(*a)))
+        planned()
+        for name in real:
+            setattr(launch, name, lambda *a: None)
+        python_only = per_call_us(planned, args.calls)
+        for name, fn in real.items():
+            setattr(launch, name, fn)
+        whole = per_call_us(planned, args.calls)
+        alone = []
+        for name, fn in real.items():
+            a = captured[name]
+            tensors = sum(isinstance(x, torch.Tensor) for x in a)
+            alone.append(f"{name} {per_call_us(lambda: fn(*a), args.calls):.2f} ({tensors}/{len(a) - tensors})")
+        print(f"  {mode:<6} {whole:8.2f} {python_only:16.2f}   " + ", ".join(alone), flush=True)
     return 0
 
 
