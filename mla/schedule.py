@@ -23,6 +23,11 @@ COMBINE_TILES_PER_SPLIT = 0.1  # the combine reads every split's partial output:
 # launch, only the reading. Tuned on the H200 (docs/perf.md, run 14).
 WS_COMBINE_OVERHEAD_TILES = 0.5
 WS_COMBINE_TILES_PER_SPLIT = 0.25
+# Hopper's 16/32/64-row kernel merges its splits the same way (``fused_combine``): one launch per call, which saves
+# the host a second kernel launch (~5 us on the H200 host, docs/perf.md run 17) and the GPU the gap between two
+# kernels. Its merge reads the same 16-row partials as the warp-specialised one, so it takes that kernel's merge
+# cost model. gfx942 keeps the combine kernel (its atomics and fences are unverified on hardware).
+FUSED_COMBINE_ON_CUDA = True
 # Depth of the warp-specialised kernel's 16-bit ring: two 72 KiB stages, one CTA per SM (a third stage never helped
 # bf16, docs/perf.md run 14; the fp8 / mxfp4 decoders hold exactly two tiles in registers).
 WS_STAGES = 2
@@ -87,6 +92,7 @@ def decode_config(
             # measured.
             row_table_scope="shared.dyn" if spec.is_hip else "shared",
             fp8_dtype=spec.fp8_tl_dtype,
+            fused_combine=split and FUSED_COMBINE_ON_CUDA,
         )
         cfg = dataclasses.replace(cfg, **overrides)
         if cfg.shared_bytes <= spec.smem_bytes:
@@ -129,7 +135,11 @@ def query_tile(total_q: int, batch: int) -> int:
 
 
 def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int, total_kv: int) -> int:
-    """``choose_num_splits`` with the occupancy of ``cfg`` on ``spec``: what the op uses when not told."""
+    """``choose_num_splits`` with the occupancy of ``cfg`` on ``spec`` and the merge it has (the combine kernel, or
+    the fused merge): what the op uses when not told."""
+    merge = {}
+    if cfg.fused_combine:
+        merge = dict(combine_overhead=WS_COMBINE_OVERHEAD_TILES, combine_per_split=WS_COMBINE_TILES_PER_SPLIT)
     return choose_num_splits(
         batch=batch,
         total_kv=total_kv,
@@ -137,6 +147,7 @@ def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int,
         ctas_per_sm=ctas_per_sm(spec, cfg),
         block_n=cfg.block_n,
         head_groups=cfg.num_heads // cfg.block_h,
+        **merge,
     )
 
 
@@ -192,8 +203,9 @@ def select_kernels(
 ) -> tuple[DecodeKernelConfig, CombineKernelConfig | None, int]:
     """What the op launches for a problem: (decode config, combine config or None, num_splits). ``total_kv`` is the
     token count the split model divides by ``batch`` (the op passes its cache's rows; a plan the exact sum);
-    ``num_splits`` forces the split count; 1 means the direct kernel and no combine (the warp-specialised kernel
-    merges its splits itself: no combine config whatever the count). ``overrides``: tuning only."""
+    ``num_splits`` forces the split count; 1 means the direct kernel and no combine. Kernels that merge their
+    splits themselves (the warp-specialised one, Hopper's ``fused_combine`` decode kernel, the 64-row family) come
+    with no combine config whatever the count. ``overrides``: tuning only."""
     q_tile = query_tile(total_q, batch)
     # 64+ query rows per sequence on Hopper: the 64-row family (see "64-row class" below; opt-in while unmeasured).
     rows = overrides.pop("rows", ROWS_BY_DEFAULT and not overrides)
@@ -221,6 +233,8 @@ def select_kernels(
     split_cfg = decode_config(spec, split=True, **problem)
     if num_splits is None:
         num_splits = default_num_splits(spec, split_cfg, batch=batch, total_kv=total_kv)
+    if split_cfg.fused_combine:  # one kernel for every split count: it writes the output itself
+        return split_cfg, None, num_splits
     if num_splits == 1:
         return decode_config(spec, split=False, **problem), None, 1
     return split_cfg, combine_config(spec, num_heads=num_heads), num_splits
@@ -272,18 +286,20 @@ MODES = constants.MODES
 
 
 def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:
-    """Every kernel the op may launch for one problem class: each mode's split and direct decode kernel, and the
-    combine kernel (on Hopper's 16-row class also the warp-specialised kernel of WS_FORMATS). Used to pre-build (bench.py
-    without a GPU) and to test that all of them compile."""
-    variants = []
+    """Every kernel the op may launch for one problem class: each mode's decode kernel with its merge fused (Hopper),
+    or its split and direct decode kernels and the combine kernel (gfx942); on Hopper's 16-row class also the
+    warp-specialised kernel of WS_FORMATS. Used to pre-build (bench.py without a GPU) and to test that all of them
+    compile."""
+    variants, combined = [], False
     for kv_format, q_format in MODES.values():
-        for split in (True, False):
-            variants.append(
-                decode_config(
-                    spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal, split=split
-                )
-            )
-    variants.append(combine_config(spec, num_heads=num_heads))
+        problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal)
+        split_cfg = decode_config(spec, split=True, **problem)
+        variants.append(split_cfg)
+        if not split_cfg.fused_combine:
+            variants.append(decode_config(spec, split=False, **problem))
+            combined = True
+    if combined:
+        variants.append(combine_config(spec, num_heads=num_heads))
     if uses_ws(spec, num_heads=num_heads, q_tile=q_tile):  # the warp-specialised kernel, for large problems
         variants += [ws_config(spec, kv_format=kv, num_heads=num_heads, causal=causal) for kv in WS_FORMATS]
     return variants

@@ -113,8 +113,14 @@ def test_sm_scale_type():
         call(sm_scale=[0.1])
 
 
-def test_eager_split_partials_share_one_allocation(no_kernels):
-    # 32 heads: the decode + combine kernels (Hopper's 16-row class runs the fused warp-specialised kernel)
+@pytest.fixture
+def two_kernel_form(monkeypatch):
+    """The decode kernel without its fused merge, then the combine kernel (gfx942's form; Hopper fuses the merge)."""
+    monkeypatch.setattr(mla.launch.schedule, "FUSED_COMBINE_ON_CUDA", False)
+
+
+def test_eager_split_partials_share_one_allocation(no_kernels, two_kernel_form):
+    # 32 heads, the two-kernel form: decode, then combine
     q, kv, qo, kvp = flat_inputs([3000, 5000], heads=32)
     mla_decode(q, kv, qo, kvp, num_splits=4)
     (decode_args,) = [a for name, a in launched(no_kernels) if "combine" not in name]
@@ -131,7 +137,7 @@ def test_eager_split_partials_share_one_allocation(no_kernels):
     assert returned.untyped_storage().nbytes() == 2 * 32 * 4, "a returned LSE is its own allocation"
 
 
-def test_eager_buffers_are_views_of_the_stream_scratch(no_kernels):
+def test_eager_buffers_are_views_of_the_stream_scratch(no_kernels, two_kernel_form):
     """An eager call allocates only its output: its split partials (and a8w8's amax) are views of the stream's
     scratch (``workspace.scratch``), made once per buffer and launch; a scratch too small is replaced by a larger
     one, with no views yet."""

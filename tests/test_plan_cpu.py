@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import mla.decode
+import mla.launch
 from mla import schedule
 from mla.decode import mla_decode, plan
 from mla.target import spec_for_name
@@ -121,9 +122,12 @@ def test_forced_split_count_and_workspace(no_kernels):
 # --- run launches what mla_decode launches -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-merge", "two-kernel"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
-def test_run_launches_the_same_kernels_with_the_same_arguments(no_kernels, num_splits, paged):
+def test_run_launches_the_same_kernels_with_the_same_arguments(no_kernels, monkeypatch, num_splits, paged, fused):
+    # Hopper fuses the split merge into the decode kernel (one launch); gfx942's form is decode, then combine.
+    monkeypatch.setattr(mla.launch.schedule, "FUSED_COMBINE_ON_CUDA", fused)
     kv_lens = [5, 0, 40, 17]
     q, kv, qo, kvp = flat_inputs(kv_lens, q_lens=[1, 2, 1, 3])
     table, page_size = None, 0
@@ -142,23 +146,26 @@ def test_run_launches_the_same_kernels_with_the_same_arguments(no_kernels, num_s
     plan_calls = {r.name: list(r.calls) for r in no_kernels.values()}
     launched = {name for name, calls in direct_calls.items() if calls}
     assert launched == {name for name, calls in plan_calls.items() if calls}, "different kernels"
-    assert len(launched) == (1 if num_splits == 1 else 2)
+    assert len(launched) == (1 if num_splits == 1 or fused else 2)
     for name in launched:
         (a,), (b,) = direct_calls[name], plan_calls[name]
         assert len(a) == len(b)
-        # Outputs (the decode's last two arguments, every argument of the combine) are fresh buffers: same shape
-        # and dtype. Inputs: the same values.
-        outputs = range(len(a)) if "combine" in name else range(len(a) - 2, len(a))
+        # Outputs (the decode's last two arguments, with the fused merge its last five: partials, semaphores,
+        # output, LSE; every argument of the combine) are buffers: same dtype, and same shape but for the
+        # semaphores (the eager call's per-stream buffer, the plan's own). Inputs: the same values.
+        outputs = range(len(a)) if "combine" in name else range(len(a) - (5 if fused else 2), len(a))
+        semaphores = len(a) - 3 if fused else None
         for i, (x, y) in enumerate(zip(a, b)):
             if isinstance(x, torch.Tensor):
-                assert (x.shape, x.dtype) == (y.shape, y.dtype), f"{name} argument {i}"
+                assert x.dtype == y.dtype and (i == semaphores or x.shape == y.shape), f"{name} argument {i}"
                 assert i in outputs or torch.equal(x, y), f"{name} argument {i}: different values"
             else:
                 assert x == y, f"{name} argument {i}: {x!r} != {y!r}"
 
 
-def test_run_reuses_the_plan_workspace(no_kernels):
-    q, kv, qo, kvp = flat_inputs([3000, 5000], heads=32)  # decode + combine (16 heads: the fused kernel)
+def test_run_reuses_the_plan_workspace(no_kernels, monkeypatch):
+    monkeypatch.setattr(mla.launch.schedule, "FUSED_COMBINE_ON_CUDA", False)  # decode + combine (gfx942's form)
+    q, kv, qo, kvp = flat_inputs([3000, 5000], heads=32)
     p = plan(qo, kvp, num_heads=32, kv_format="bf16", num_splits=4, device="cpu")
     p.run(q, kv)
     p.run(q, kv)

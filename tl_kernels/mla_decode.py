@@ -9,7 +9,10 @@ Each CTA owns one (sequence, KV split, head group). Its stages:
   4. online softmax in base 2: log2(e) is folded into the score scale, so one exp2 per score;
   5. O += P V, where V is the first 512 dims of the same tile (the latent part is both K and V);
   6. write the final bf16 output (``split=False``) or an fp32 partial output plus its base-2 log-sum-exp,
-     which ``tl_kernels.mla_combine`` reduces over splits.
+     which ``tl_kernels.mla_combine`` reduces over splits;
+  7. ``fused_combine`` (Hopper): the split count is an argument; one split writes the output as in 6, several
+     write their partials, count themselves on a per-(sequence, head group) semaphore, and the CTA that counts
+     last merges the partials by LSE into the output and resets the semaphore: one launch per call.
 
 Only what changes the generated code is static (``DecodeKernelConfig``); batch size, token counts, sequence
 lengths and the number of splits are dynamic, so a new shape never recompiles.
@@ -103,6 +106,8 @@ class DecodeKernelConfig:
     dim_split: bool = False  # gfx942: the wave-level program of ``_dim_split_body`` (8 wave64s share a 32-token
     # tile: each owns 64 of the 512 latent dims for Q K^T and P V, hand-placed MFMA operands, prefetched tiles)
     fp8_mfma: bool = False  # dim_split a8w8: Q K^T on the fp8 MFMA (e4m3fnuz operands straight from the cache)
+    fused_combine: bool = False  # Hopper: the split count is an argument and the split merge runs inside the
+    # kernel (the last CTA of a (sequence, head group) to finish merges; one launch per call, any split count)
 
     def __post_init__(self):
         if self.kv_format not in KV_FORMATS:
@@ -113,6 +118,8 @@ class DecodeKernelConfig:
             raise ValueError(f"block_h={self.block_h} must divide num_heads={self.num_heads}")
         if self.dim_split and (self.block_h, self.q_tile, self.block_n, self.threads) != DIM_SPLIT_SHAPE:
             raise ValueError(f"dim_split takes (block_h, q_tile, block_n, threads) == {DIM_SPLIT_SHAPE}")
+        if self.fused_combine and (not self.split or self.dim_split):
+            raise ValueError("fused_combine needs split=True and the block-level program (not dim_split)")
         if self.fp8_mfma and not (self.dim_split and self.kv_format == "fp8" and self.q_format != "bf16"):
             raise ValueError("fp8_mfma needs dim_split, an fp8 cache and fp8 Q (a8w8)")
 
@@ -148,7 +155,7 @@ class DecodeKernelConfig:
             f"{'' if self.stage_compressed or self.kv_format == 'bf16' else '_nostage'}"
             f"{f'_page{self.page_size}' if self.page_size else ''}{'_kvm' if self.kv_rows_as_m else ''}"
             f"{'_rows' + self.row_table_scope.replace('.', '') if self.row_table_scope != 'shared' and self.page_size else ''}"
-            f"{'_ds' if self.dim_split else ''}{'_f8mma' if self.fp8_mfma else ''}_{fp8}"
+            f"{'_ds' if self.dim_split else ''}{'_f8mma' if self.fp8_mfma else ''}{'_fused' if self.fused_combine else ''}_{fp8}"
         )
 
 
@@ -177,6 +184,10 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
       split=True:  O_partial (num_splits, total_q, num_heads, 512) fp32,
                    LSE_partial (num_splits, total_q, num_heads) fp32 (base 2; -inf for an empty split)
       split=False: Out (total_q, num_heads, 512) bf16, LSE (total_q, num_heads) fp32 (natural log)
+      fused_combine: num_splits int32, O_partial (o_len,) fp32 and LSE_partial (l_len,) fp32 (the split=True
+                   partials flattened, >= num_splits * total_q * num_heads * 512 / * 1 elements when num_splits
+                   > 1, else unused), Semaphores (sem_len,) int32 (>= batch * num_heads / block_h, zero before the
+                   call and left zero), then Out and LSE as split=False
     """
     heads = cfg.num_heads
     block_h, block_n, block_m, q_tile = cfg.block_h, cfg.block_n, cfg.block_m, cfg.q_tile
@@ -192,7 +203,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
     total_kv = T.dynamic("total_kv")
     indptr_len = T.dynamic("indptr_len")
     scale_len = T.dynamic("scale_len")
-    num_splits = T.dynamic("num_splits") if cfg.split else 1
+    num_splits = T.dynamic("num_splits") if cfg.split and not cfg.fused_combine else 1
+    fused = cfg.fused_combine
     staged = cfg.kv_format != "bf16" and cfg.stage_compressed
 
     def q_element(Q, q_begin, q_len, q_scale, q_pass, hg, r, d):
@@ -245,9 +257,86 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             return src[i, c]
         return src[row_of(i), c]
 
+    def partial_row(split_id, q_row, head):
+        """Flat (split, query row, head) index of the fused kernel's partials (the split=True layout)."""
+        return (split_id * total_q + q_row) * heads + head
+
     @T.macro
-    def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, Out, LSE):
-        with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
+    def write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg):
+        # The final bf16 output and natural-log LSE of one query pass. denom == 0 means nothing was visible:
+        # output 0, LSE -inf.
+        for r, d in T.Parallel(block_m, KV_LORA_RANK):
+            qi = q_pass * q_tile + r // block_h
+            if qi < q_len:
+                value = T.if_then_else(denom[r] > 0, acc_o[tr(r, d)] * out_scale / denom[r], 0)
+                Out[q_begin + qi, hg * block_h + r % block_h, d] = T.cast(value, "bfloat16")
+        for r in T.Parallel(block_m):
+            qi = q_pass * q_tile + r // block_h
+            if qi < q_len:
+                lse2 = T.if_then_else(denom[r] > 0, T.log2(denom[r]) + row_max[r], -T.infinity(accum_dtype))
+                LSE[q_begin + qi, hg * block_h + r % block_h] = lse2 * ln2
+
+    @T.macro
+    def write_partial(O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg, split_id):
+        # One split's normalised fp32 output and base-2 LSE (-inf for a split that saw nothing).
+        for r, d in T.Parallel(block_m, KV_LORA_RANK):
+            qi = q_pass * q_tile + r // block_h
+            if qi < q_len:
+                value = T.if_then_else(denom[r] > 0, acc_o[tr(r, d)] * out_scale / denom[r], 0)
+                if fused:
+                    O_partial[partial_row(split_id, q_begin + qi, hg * block_h + r % block_h) * KV_LORA_RANK + d] = value
+                else:
+                    O_partial[split_id, q_begin + qi, hg * block_h + r % block_h, d] = value
+        for r in T.Parallel(block_m):
+            qi = q_pass * q_tile + r // block_h
+            if qi < q_len:
+                lse2 = T.if_then_else(denom[r] > 0, T.log2(denom[r]) + row_max[r], -T.infinity(accum_dtype))
+                if fused:
+                    LSE_partial[partial_row(split_id, q_begin + qi, hg * block_h + r % block_h)] = lse2
+                else:
+                    LSE_partial[split_id, q_begin + qi, hg * block_h + r % block_h] = lse2
+
+    @T.macro
+    def merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, acc_o, denom, row_max, rescale,
+                     last_flag, tx, q_begin, q_len, seq_id, hg):
+        # Fused combine: publish this split's partials, count the split on the (sequence, head group) semaphore;
+        # the CTA that counts last merges every split by LSE into the output (the combine kernel's work) and
+        # resets the semaphore for the next call.
+        T.call_extern("handle", "__threadfence")
+        T.sync_threads()
+        if tx == 0:
+            last_flag[0] = T.atomic_add(Semaphores[seq_id * head_groups + hg], 1, memory_order="acq_rel",
+                                        return_prev=True)
+        T.sync_threads()
+        if last_flag[0] == n_splits - 1:
+            T.call_extern("handle", "__threadfence")
+            for q_pass in T.serial(T.ceildiv(q_len, q_tile)):
+                for r in T.Parallel(block_m):
+                    # rows past the sequence's queries read its last query's partials (in bounds; not written)
+                    at = partial_row(0, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
+                    row_max[r] = -T.infinity(accum_dtype)
+                    denom[r] = 0
+                    for sp in T.serial(n_splits):
+                        row_max[r] = T.max(row_max[r], LSE_partial[at + sp * total_q * heads])
+                T.fill(acc_o, 0)
+                for sp in T.serial(n_splits):
+                    for r in T.Parallel(block_m):
+                        at = partial_row(sp, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
+                        rescale[r] = T.if_then_else(
+                            row_max[r] == -T.infinity(accum_dtype), 0, T.exp2(LSE_partial[at] - row_max[r])
+                        )
+                        denom[r] += rescale[r]
+                    for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                        at = partial_row(sp, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
+                        acc_o[tr(r, d)] += rescale[r] * O_partial[at * KV_LORA_RANK + d]
+                write_output(Out, LSE, acc_o, denom, row_max, 1.0, q_begin, q_len, q_pass, hg)
+            if tx == 0:
+                Semaphores[seq_id * head_groups + hg] = 0
+
+    @T.macro
+    def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
+                    n_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
+        with T.Kernel(n_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
             Q_shared = T.alloc_shared([block_m, KV_LORA_RANK], compute_dtype)
             Qpe_shared = T.alloc_shared([block_m, ROPE_DIM], compute_dtype)
             KV_shared = T.alloc_shared([block_n, KV_LORA_RANK], compute_dtype)
@@ -271,6 +360,9 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             rescale = T.alloc_fragment([block_m], accum_dtype)
             row_sum = T.alloc_fragment([block_m], accum_dtype)
             denom = T.alloc_fragment([block_m], accum_dtype)
+            if fused:
+                last_flag = T.alloc_shared([1], "int32")  # the semaphore's count before this CTA's
+                tx = T.get_thread_binding()
 
             # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
             kv_begin = T.alloc_var("int32", init=kv_indptr[seq_id])
@@ -278,7 +370,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             q_begin = T.alloc_var("int32", init=qo_indptr[seq_id])
             q_len = T.alloc_var("int32", init=qo_indptr[seq_id + 1] - qo_indptr[seq_id])
             # Split s of a sequence covers [s * chunk, (s + 1) * chunk) of its tokens, chunk a multiple of block_n.
-            chunk = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(kv_len, num_splits), block_n) * block_n)
+            chunk = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(kv_len, n_splits), block_n) * block_n)
             split_lo = T.alloc_var("int32", init=split_id * chunk)
             split_hi = T.alloc_var("int32", init=T.min(split_lo + chunk, kv_len))
             num_tiles = T.alloc_var("int32", init=T.ceildiv(T.max(split_hi - split_lo, 0), block_n))
@@ -395,23 +487,24 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                         else:
                             T.gemm(P_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
 
-                # Stage 6: normalise and write. denom == 0 means nothing was visible: output 0, LSE -inf.
-                for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                    qi = q_pass * q_tile + r // block_h
-                    if qi < q_len:
-                        value = T.if_then_else(denom[r] > 0, acc_o[tr(r, d)] * out_scale / denom[r], 0)
-                        if cfg.split:
-                            Out[split_id, q_begin + qi, hg * block_h + r % block_h, d] = value
-                        else:
-                            Out[q_begin + qi, hg * block_h + r % block_h, d] = T.cast(value, "bfloat16")
-                for r in T.Parallel(block_m):
-                    qi = q_pass * q_tile + r // block_h
-                    if qi < q_len:
-                        lse2 = T.if_then_else(denom[r] > 0, T.log2(denom[r]) + row_max[r], -T.infinity(accum_dtype))
-                        if cfg.split:
-                            LSE[split_id, q_begin + qi, hg * block_h + r % block_h] = lse2
-                        else:
-                            LSE[q_begin + qi, hg * block_h + r % block_h] = lse2 * ln2
+                # Stage 6: normalise and write: the output (one split), or this split's partial.
+                if fused:
+                    if n_splits == 1:
+                        write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
+                    else:
+                        write_partial(O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len,
+                                      q_pass, hg, split_id)
+                elif cfg.split:
+                    write_partial(O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass,
+                                  hg, split_id)
+                else:
+                    write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
+
+            # Stage 7 (fused_combine, several splits): the last split of the (sequence, head group) merges them.
+            if fused:
+                if n_splits > 1:
+                    merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, acc_o, denom, row_max,
+                                 rescale, last_flag, tx, q_begin, q_len, seq_id, hg)
 
     if cfg.dim_split:
         decode_body = _dim_split_body(
@@ -422,6 +515,31 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             total_q=total_q, total_kv=total_kv, indptr_len=indptr_len, scale_len=scale_len, num_splits=num_splits
         )
         return _paged_prim_func(cfg, decode_body, q_dtype, kv_dtype, kv_cols, dims)
+    if fused:
+        o_len, l_len, sem_len = T.dynamic("o_len"), T.dynamic("l_len"), T.dynamic("sem_len")
+
+        @T.prim_func
+        def mla_decode_fused(
+            Q: T.Tensor([total_q, heads, QK_DIM], q_dtype),
+            KV: T.Tensor([total_kv, kv_cols], kv_dtype),
+            KV_scales: T.Tensor([scale_len], "uint8"),
+            scale_stride: T.int32,
+            Q_scale: T.Tensor([1], accum_dtype),
+            KV_scale: T.Tensor([1], accum_dtype),
+            qo_indptr: T.Tensor([indptr_len], "int32"),
+            kv_indptr: T.Tensor([indptr_len], "int32"),
+            sm_scale: T.float32,
+            num_splits: T.int32,
+            O_partial: T.Tensor([o_len], accum_dtype),
+            LSE_partial: T.Tensor([l_len], accum_dtype),
+            Semaphores: T.Tensor([sem_len], "int32"),
+            Out: T.Tensor([total_q, heads, KV_LORA_RANK], "bfloat16"),
+            LSE: T.Tensor([total_q, heads], accum_dtype),
+        ):
+            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale,
+                        num_splits, O_partial, LSE_partial, Semaphores, Out, LSE)
+
+        return mla_decode_fused
     if cfg.split:
 
         @T.prim_func
@@ -438,7 +556,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             O_partial: T.Tensor([num_splits, total_q, heads, KV_LORA_RANK], accum_dtype),
             LSE_partial: T.Tensor([num_splits, total_q, heads], accum_dtype),
         ):
-            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale, O_partial, LSE_partial)
+            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale,
+                        num_splits, O_partial, LSE_partial, None, None, None)
 
         return mla_decode_split
 
@@ -456,7 +575,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         Out: T.Tensor([total_q, heads, KV_LORA_RANK], "bfloat16"),
         LSE: T.Tensor([total_q, heads], accum_dtype),
     ):
-        decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale, Out, LSE)
+        decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale, 1, None,
+                    None, None, Out, LSE)
 
     return mla_decode_direct
 
@@ -469,6 +589,33 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
     total_q, cache_rows, indptr_len, scale_len = dims["total_q"], dims["total_kv"], dims["indptr_len"], dims["scale_len"]
     num_splits = dims["num_splits"]
     batch, max_pages = T.dynamic("batch, max_pages")
+
+    if cfg.fused_combine:
+        o_len, l_len, sem_len = T.dynamic("o_len"), T.dynamic("l_len"), T.dynamic("sem_len")
+
+        @T.prim_func
+        def mla_decode_fused_paged(
+            Q: T.Tensor([total_q, heads, QK_DIM], q_dtype),
+            KV: T.Tensor([cache_rows, kv_cols], kv_dtype),
+            KV_scales: T.Tensor([scale_len], "uint8"),
+            scale_stride: T.int32,
+            Q_scale: T.Tensor([1], accum_dtype),
+            KV_scale: T.Tensor([1], accum_dtype),
+            qo_indptr: T.Tensor([indptr_len], "int32"),
+            kv_indptr: T.Tensor([indptr_len], "int32"),
+            Page_table: T.Tensor([batch, max_pages], "int32"),
+            sm_scale: T.float32,
+            num_splits: T.int32,
+            O_partial: T.Tensor([o_len], accum_dtype),
+            LSE_partial: T.Tensor([l_len], accum_dtype),
+            Semaphores: T.Tensor([sem_len], "int32"),
+            Out: T.Tensor([total_q, heads, KV_LORA_RANK], "bfloat16"),
+            LSE: T.Tensor([total_q, heads], accum_dtype),
+        ):
+            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
+                        num_splits, O_partial, LSE_partial, Semaphores, Out, LSE)
+
+        return mla_decode_fused_paged
 
     if cfg.split:
 
@@ -487,7 +634,8 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
             O_partial: T.Tensor([num_splits, total_q, heads, KV_LORA_RANK], accum_dtype),
             LSE_partial: T.Tensor([num_splits, total_q, heads], accum_dtype),
         ):
-            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, O_partial, LSE_partial)
+            decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
+                        num_splits, O_partial, LSE_partial, None, None, None)
 
         return mla_decode_split_paged
 
@@ -506,7 +654,8 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
         Out: T.Tensor([total_q, heads, KV_LORA_RANK], "bfloat16"),
         LSE: T.Tensor([total_q, heads], accum_dtype),
     ):
-        decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, Out, LSE)
+        decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, 1,
+                    None, None, None, Out, LSE)
 
     return mla_decode_direct_paged
 
@@ -762,7 +911,8 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
 
 
     @T.macro
-    def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, Out, LSE):
+    def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, n_splits,
+             O_partial, LSE_partial, Semaphores, Out, LSE):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
             T.import_source(_DS_HIP_HELPERS + dequant_hip.HIP_SOURCE)
             VT = T.alloc_shared([DS_WAVES, DS_DIMS, block_n], bf16)  # per wave: V^T of its 64 latent dims
@@ -853,13 +1003,13 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
                         value = T.if_then_else(denom[0] > 0, acc_o[nt * 4 + r] * out_scale / denom[0], 0)
                         col = ds_out_dim(wave, nt, g, r)
                         if cfg.split:
-                            Out[split_id, q_begin + q_pass, hg * block_h + m, col] = value
+                            O_partial[split_id, q_begin + q_pass, hg * block_h + m, col] = value
                         else:
                             Out[q_begin + q_pass, hg * block_h + m, col] = T.cast(value, bf16)
                 if tx < 16:
                     lse2 = T.if_then_else(denom[0] > 0, T.log2(denom[0]) + row_max[0], ninf)
                     if cfg.split:
-                        LSE[split_id, q_begin + q_pass, hg * block_h + m] = lse2
+                        LSE_partial[split_id, q_begin + q_pass, hg * block_h + m] = lse2
                     else:
                         LSE[q_begin + q_pass, hg * block_h + m] = lse2 * ln2
 
