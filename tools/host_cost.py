@@ -220,7 +220,11 @@ def print_primitives(args) -> int:
     ops = {
         "torch.empty out (bf16)": lambda: torch.empty((args.batch, args.heads, 512), dtype=torch.bfloat16, device=DEVICE),
         "torch.empty partials (fp32)": lambda: torch.empty(16 * rows * 513, dtype=torch.float32, device=DEVICE),
+        "torch.empty out, sizes unpacked": lambda: torch.empty(args.batch, args.heads, 512, dtype=torch.bfloat16,
+                                                               device=DEVICE),
+        "torch.empty_like out": lambda: torch.empty_like(q),
         "as_strided": lambda: kv.as_strided((rows, 512), (512, 1), 0),
+        "unsqueeze": lambda: q.unsqueeze(1),
         "view": lambda: kv.view(kv.shape[0], 576),
         "signature key": lambda: (q.dtype, q.shape, q.device, q.is_contiguous(), kv.dtype, kv.shape, kv.stride(),
                                   kv.device, qo.dtype, qo.shape, qo.device, qo.is_contiguous()),
