@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from mla import formats
 from mla.constants import DEFAULT_SM_SCALE, KV_LORA_RANK, QK_DIM
 
 
@@ -57,8 +58,6 @@ def harness_reference(data, mode: str = "bf16", *, causal: bool = False, sm_scal
     """The reference on exactly the values ``mla.decode.run_harness(data, mode)`` reads: the dequantized cache of
     the mode's format, and for "a8w8" Q rounded through fp8 as the kernel does (same per-tensor quantizer).
     Returns (out, lse) like ``mla_decode_reference``."""
-    from mla import formats
-
     q, kv_data, qo_indptr, kv_indptr, _ = data
     fmt = "fp8" if mode == "a8w8" else mode
     kv = formats.dequantize_kv(kv_data[fmt], fmt)
