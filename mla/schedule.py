@@ -23,11 +23,12 @@ COMBINE_TILES_PER_SPLIT = 0.1  # the combine reads every split's partial output:
 # launch, only the reading. Tuned on the H200 (docs/perf.md, run 14).
 WS_COMBINE_OVERHEAD_TILES = 0.5
 WS_COMBINE_TILES_PER_SPLIT = 0.25
-# Hopper's 16/32/64-row kernel merges its splits the same way (``fused_combine``): one launch per call, which saves
-# the host a second kernel launch (~5 us on the H200 host, docs/perf.md run 17) and the GPU the gap between two
-# kernels. Its merge reads the same 16-row partials as the warp-specialised one, so it takes that kernel's merge
-# cost model. gfx942 keeps the combine kernel (its atomics and fences are unverified on hardware).
-FUSED_COMBINE_ON_CUDA = True
+# Hopper's 16/32/64-row kernel can merge its splits the same way (``fused_combine``: one launch per call instead
+# of decode + combine, ~5 us less host time per call on the H200 host). Opt-in, not the default: on the H200
+# (docs/perf.md, run 17) its merge by the last CTA cost ~15 us more GPU time per call than the combine kernel (4 x
+# 1024 bf16: 27-28 us against 12.6 us), more than the host saves; the cause is not found yet. When fused, the split
+# model takes the warp-specialised kernel's merge costs. gfx942 always uses the combine kernel.
+FUSED_COMBINE_ON_CUDA = False
 # Depth of the warp-specialised kernel's 16-bit ring: two 72 KiB stages, one CTA per SM (a third stage never helped
 # bf16, docs/perf.md run 14; the fp8 / mxfp4 decoders hold exactly two tiles in registers).
 WS_STAGES = 2
@@ -286,10 +287,10 @@ MODES = constants.MODES
 
 
 def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:
-    """Every kernel the op may launch for one problem class: each mode's decode kernel with its merge fused (Hopper),
-    or its split and direct decode kernels and the combine kernel (gfx942); on Hopper's 16-row class also the
-    warp-specialised kernel of WS_FORMATS. Used to pre-build (bench.py without a GPU) and to test that all of them
-    compile."""
+    """Every kernel the op may launch for one problem class: each mode's split and direct decode kernels and the
+    combine kernel, or, where the merge is fused by default (``FUSED_COMBINE_ON_CUDA``), its fused decode kernel; on
+    Hopper's 16-row class also the warp-specialised kernel of WS_FORMATS. Used to pre-build (bench.py without a GPU)
+    and to test that all of them compile."""
     variants, combined = [], False
     for kv_format, q_format in MODES.values():
         problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal)

@@ -209,8 +209,8 @@ def classes_of_items(items):
 
 def kernel_configs(spec, classes):
     """The decode configs the op may launch for problem classes ``(mode, num_heads, q_tile, causal, page_size)``:
-    the fused-merge kernel (Hopper), or the split and direct kernels and the combine kernel (gfx942); on Hopper's
-    16-row class also the warp-specialised kernel."""
+    the split and direct kernels and the combine kernel, or the fused-merge kernel where it is the default; on
+    Hopper's 16-row class also the warp-specialised kernel."""
     from mla import schedule
 
     configs = []

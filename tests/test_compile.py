@@ -16,6 +16,9 @@ VARIANTS = schedule.kernel_variants(H200) + [
     schedule.decode_config(H200, kv_format="bf16", q_tile=2, causal=True),
     # Paged cache (16 tokens per page), compressed format.
     schedule.decode_config(H200, kv_format="mxfp4", page_size=16),
+    # The opt-in fused split merge (one launch per call), flat and paged.
+    schedule.decode_config(H200, kv_format="fp8", fused_combine=True),
+    schedule.decode_config(H200, kv_format="bf16", q_tile=2, causal=True, page_size=64, fused_combine=True),
 ]
 
 

@@ -108,6 +108,50 @@ def test_split_counts_agree(num_splits):
     assert torch.isinf(lse[-1]).all() and (lse[-1] < 0).all(), "empty sequence: LSE must be -inf"
 
 
+# The opt-in fused split merge of the sm_90a decode kernel (``fused_combine``: one launch, no combine kernel;
+# schedule.FUSED_COMBINE_ON_CUDA says why it is not the default). Its variants build in the test (not prebuilt).
+FUSED = {"fused_combine": True}
+
+
+def run_fused_twice(mode, data, flat_data, num_splits, causal=False, **kwargs):
+    """Two calls on the same semaphores (the merge must leave them at zero), outputs poisoned before each, both
+    against the fp32 reference."""
+    ref_out, ref_lse = harness_reference(flat_data, mode, causal=causal)
+    heads = ref_out.shape[1]
+    for _ in range(2):
+        out = poisoned(tuple(ref_out.shape), torch.bfloat16)
+        lse = poisoned((ref_out.shape[0], heads), torch.float32)
+        run_mode(mode, data, num_splits=num_splits, causal=causal, out=out, lse=lse, return_lse=True,
+                 config_overrides=FUSED, **kwargs)
+        assert_close_to_reference(out, ref_out, mode)
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), seen), "LSE: -inf exactly where a query sees nothing"
+        torch.testing.assert_close(lse[seen], ref_lse[seen], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 17])
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_merge_any_split_count(mode, num_splits):
+    """Every format, an empty sequence, sequences shorter than a split, more splits than tiles."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fused_combine is an sm_90a variant")
+    data = make_ragged_inputs([1, 63, 64, 65, 1000, 4097, 0], seed=40 + num_splits)
+    run_fused_twice(mode, data, data, num_splits)
+
+
+@pytest.mark.parametrize("heads,q_len,page_size,num_splits", [(64, 1, 0, 5), (16, 2, 64, 4), (128, 3, 16, 9)])
+def test_fused_merge_heads_queries_pages(heads, q_len, page_size, num_splits):
+    """Head groups (64 / 128 heads), query passes (MTP, causal) and paged caches through the fused merge."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fused_combine is an sm_90a variant")
+    data = make_ragged_inputs([5, 700, 2049, 130], q_len, num_heads=heads, seed=heads + q_len)
+    run_data, extra = data, {}
+    if page_size:
+        caches, table = to_paged(data, page_size, seed=3)
+        run_data, extra = (data[0], caches, *data[2:]), {"page_table": table}
+    run_fused_twice("bf16", run_data, data, num_splits, causal=q_len > 1, **extra)
+
+
 @launches(lambda mode, **_: [(mode, 16, 1, False)])
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_graph_replay_matches_eager(mode):

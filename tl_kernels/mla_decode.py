@@ -29,6 +29,13 @@ QK_DIM = KV_LORA_RANK + ROPE_DIM  # 576
 MXFP4_BLOCK = 32  # elements per e8m0 scale
 MXFP4_SCALES_PER_TOKEN = QK_DIM // MXFP4_BLOCK  # 18
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+MERGE_CHUNK = 16  # fused_combine: split weights computed per chunk of this many splits (shared memory)
+# fused_combine: the merge reads other CTAs' partials through L2 (ld.global.cg: never a stale L1 line), by address,
+# so TileLang's bounds legalisation puts no branch around each load (the indices are clamped into the buffers).
+# Guarded, each load waited for the one before it: run 17 measured that merge 2-3x slower per split.
+MERGE_CUDA_SOURCE = """
+__device__ __forceinline__ float mla_merge_load(const float* p) { return __ldcg(p); }
+"""
 
 KV_FORMATS = ("bf16", "fp8", "mxfp4")
 # Q precision: "bf16" as given; "fp8": bf16 Q quantized to fp8 inside the kernel with one per-tensor scale derived
@@ -261,6 +268,18 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         """Flat (split, query row, head) index of the fused kernel's partials (the split=True layout)."""
         return (split_id * total_q + q_row) * heads + head
 
+    def merge_row(sp, q_pass, r, q_begin, q_len, hg, rows):
+        """The partial row the merge reads for split sp, query pass q_pass, row r, clamped into a buffer of ``rows``
+        rows: rows past the sequence's queries read its last query's partials (never written out), and the compiler
+        can prove every read in bounds, so it guards none of them (a guarded load is a branch the next load waits
+        behind: run 17 measured the guarded merge ~10x slower than the combine kernel)."""
+        at = partial_row(sp, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
+        return T.max(T.min(at, rows - 1), 0)
+
+    def merge_load(buf, index):
+        """buf[index] of a partial buffer, read by address through L2 (``MERGE_CUDA_SOURCE``)."""
+        return T.call_extern(accum_dtype, "mla_merge_load", buf.access_ptr("r", offset=index))
+
     @T.macro
     def write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg):
         # The final bf16 output and natural-log LSE of one query pass. denom == 0 means nothing was visible:
@@ -297,38 +316,64 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                     LSE_partial[split_id, q_begin + qi, hg * block_h + r % block_h] = lse2
 
     @T.macro
-    def merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, acc_o, denom, row_max, rescale,
-                     last_flag, tx, q_begin, q_len, seq_id, hg):
+    def merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, acc_o, denom, row_max, weights,
+                     Merge_scale, Merge_max, last_flag, tx, q_begin, q_len, seq_id, hg):
         # Fused combine: publish this split's partials, count the split on the (sequence, head group) semaphore;
         # the CTA that counts last merges every split by LSE into the output (the combine kernel's work) and
-        # resets the semaphore for the next call.
+        # resets the semaphore for the next call. The merge is latency-bound (one CTA reads every partial), so
+        # the LSEs and the splits' weights are computed MERGE_CHUNK splits at a time in shared memory, and four
+        # splits' partials are read per step, unguarded (``merge_load``), so their loads are in flight together.
         T.call_extern("handle", "__threadfence")
         T.sync_threads()
         if tx == 0:
             last_flag[0] = T.atomic_add(Semaphores[seq_id * head_groups + hg], 1, memory_order="acq_rel",
                                         return_prev=True)
         T.sync_threads()
+        o_len, l_len = O_partial.shape[0], LSE_partial.shape[0]
+        o_rows = o_len // KV_LORA_RANK
         if last_flag[0] == n_splits - 1:
             T.call_extern("handle", "__threadfence")
             for q_pass in T.serial(T.ceildiv(q_len, q_tile)):
+                # The max LSE per row: each chunk's LSEs loaded together into shared memory, then reduced there.
                 for r in T.Parallel(block_m):
-                    # rows past the sequence's queries read its last query's partials (in bounds; not written)
-                    at = partial_row(0, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
                     row_max[r] = -T.infinity(accum_dtype)
                     denom[r] = 0
-                    for sp in T.serial(n_splits):
-                        row_max[r] = T.max(row_max[r], LSE_partial[at + sp * total_q * heads])
-                T.fill(acc_o, 0)
-                for sp in T.serial(n_splits):
+                for chunk in T.serial(T.ceildiv(n_splits, MERGE_CHUNK)):
+                    for c, r in T.Parallel(MERGE_CHUNK, block_m):
+                        sp = chunk * MERGE_CHUNK + c
+                        lse2 = merge_load(LSE_partial, merge_row(T.min(sp, n_splits - 1), q_pass, r, q_begin, q_len, hg, l_len))
+                        Merge_scale[c, r] = T.if_then_else(sp < n_splits, lse2, -T.infinity(accum_dtype))
                     for r in T.Parallel(block_m):
-                        at = partial_row(sp, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
-                        rescale[r] = T.if_then_else(
-                            row_max[r] == -T.infinity(accum_dtype), 0, T.exp2(LSE_partial[at] - row_max[r])
+                        for c in T.serial(MERGE_CHUNK):
+                            row_max[r] = T.max(row_max[r], Merge_scale[c, r])
+                for r in T.Parallel(block_m):
+                    Merge_max[r] = row_max[r]
+                T.fill(acc_o, 0)
+                for chunk in T.serial(T.ceildiv(n_splits, MERGE_CHUNK)):
+                    # The chunk's weights 2^(lse - max) (0 past the last split, or for a row that saw nothing).
+                    for c, r in T.Parallel(MERGE_CHUNK, block_m):
+                        sp = chunk * MERGE_CHUNK + c
+                        lse2 = merge_load(LSE_partial, merge_row(T.min(sp, n_splits - 1), q_pass, r, q_begin, q_len, hg, l_len))
+                        Merge_scale[c, r] = T.if_then_else(
+                            sp < n_splits and Merge_max[r] != -T.infinity(accum_dtype), T.exp2(lse2 - Merge_max[r]), 0
                         )
-                        denom[r] += rescale[r]
-                    for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                        at = partial_row(sp, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
-                        acc_o[tr(r, d)] += rescale[r] * O_partial[at * KV_LORA_RANK + d]
+                    for r in T.Parallel(block_m):
+                        for c in T.serial(MERGE_CHUNK):
+                            denom[r] += Merge_scale[c, r]
+                    for quad in T.serial(T.ceildiv(T.min(MERGE_CHUNK, n_splits - chunk * MERGE_CHUNK), 4)):
+                        for r in T.Parallel(block_m):
+                            weights[0][r] = Merge_scale[quad * 4, r]
+                            weights[1][r] = Merge_scale[quad * 4 + 1, r]
+                            weights[2][r] = Merge_scale[quad * 4 + 2, r]
+                            weights[3][r] = Merge_scale[quad * 4 + 3, r]
+                        for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                            first = chunk * MERGE_CHUNK + quad * 4  # splits past the last: clamped, weight 0
+                            acc_o[tr(r, d)] += (
+                                weights[0][r] * merge_load(O_partial, merge_row(T.min(first, n_splits - 1), q_pass, r, q_begin, q_len, hg, o_rows) * KV_LORA_RANK + d)
+                                + weights[1][r] * merge_load(O_partial, merge_row(T.min(first + 1, n_splits - 1), q_pass, r, q_begin, q_len, hg, o_rows) * KV_LORA_RANK + d)
+                                + weights[2][r] * merge_load(O_partial, merge_row(T.min(first + 2, n_splits - 1), q_pass, r, q_begin, q_len, hg, o_rows) * KV_LORA_RANK + d)
+                                + weights[3][r] * merge_load(O_partial, merge_row(T.min(first + 3, n_splits - 1), q_pass, r, q_begin, q_len, hg, o_rows) * KV_LORA_RANK + d)
+                            )
                 write_output(Out, LSE, acc_o, denom, row_max, 1.0, q_begin, q_len, q_pass, hg)
             if tx == 0:
                 Semaphores[seq_id * head_groups + hg] = 0
@@ -361,7 +406,10 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             row_sum = T.alloc_fragment([block_m], accum_dtype)
             denom = T.alloc_fragment([block_m], accum_dtype)
             if fused:
+                T.import_source(MERGE_CUDA_SOURCE)
                 last_flag = T.alloc_shared([1], "int32")  # the semaphore's count before this CTA's
+                Merge_scale = T.alloc_shared([MERGE_CHUNK, block_m], accum_dtype)  # the merge's split weights
+                Merge_max = T.alloc_shared([block_m], accum_dtype)  # the merge's max LSE per row
                 tx = T.get_thread_binding()
 
             # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
@@ -504,7 +552,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             if fused:
                 if n_splits > 1:
                     merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, acc_o, denom, row_max,
-                                 rescale, last_flag, tx, q_begin, q_len, seq_id, hg)
+                                 [rescale, row_max_safe, row_max_prev, row_sum], Merge_scale, Merge_max, last_flag, tx,
+                                 q_begin, q_len, seq_id, hg)
 
     if cfg.dim_split:
         decode_body = _dim_split_body(
