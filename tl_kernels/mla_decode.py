@@ -276,6 +276,10 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         at = partial_row(sp, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
         return T.max(T.min(at, rows - 1), 0)
 
+    def partial_elem(sp, q_pass, r, q_begin, q_len, hg, rows, d):
+        """Element d of the partial row ``merge_row`` gives (rows of 512 dims)."""
+        return merge_row(sp, q_pass, r, q_begin, q_len, hg, rows) * KV_LORA_RANK + d
+
     def merge_load(buf, index):
         """buf[index] of a partial buffer, read by address through L2 (``MERGE_CUDA_SOURCE``)."""
         return T.call_extern(accum_dtype, "mla_merge_load", buf.access_ptr("r", offset=index))
@@ -368,11 +372,12 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                             weights[3][r] = Merge_scale[quad * 4 + 3, r]
                         for r, d in T.Parallel(block_m, KV_LORA_RANK):
                             first = chunk * MERGE_CHUNK + quad * 4  # splits past the last: clamped, weight 0
+                            at = (q_pass, r, q_begin, q_len, hg, o_rows)
                             acc_o[tr(r, d)] += (
-                                weights[0][r] * merge_load(O_partial, merge_row(T.min(first, n_splits - 1), q_pass, r, q_begin, q_len, hg, o_rows) * KV_LORA_RANK + d)
-                                + weights[1][r] * merge_load(O_partial, merge_row(T.min(first + 1, n_splits - 1), q_pass, r, q_begin, q_len, hg, o_rows) * KV_LORA_RANK + d)
-                                + weights[2][r] * merge_load(O_partial, merge_row(T.min(first + 2, n_splits - 1), q_pass, r, q_begin, q_len, hg, o_rows) * KV_LORA_RANK + d)
-                                + weights[3][r] * merge_load(O_partial, merge_row(T.min(first + 3, n_splits - 1), q_pass, r, q_begin, q_len, hg, o_rows) * KV_LORA_RANK + d)
+                                weights[0][r] * merge_load(O_partial, partial_elem(T.min(first, n_splits - 1), *at, d))
+                                + weights[1][r] * merge_load(O_partial, partial_elem(T.min(first + 1, n_splits - 1), *at, d))
+                                + weights[2][r] * merge_load(O_partial, partial_elem(T.min(first + 2, n_splits - 1), *at, d))
+                                + weights[3][r] * merge_load(O_partial, partial_elem(T.min(first + 3, n_splits - 1), *at, d))
                             )
                 write_output(Out, LSE, acc_o, denom, row_max, 1.0, q_begin, q_len, q_pass, hg)
             if tx == 0:
