@@ -714,6 +714,19 @@ def bench_host(bench: Bench, case: Case) -> list[dict]:
     return rows
 
 
+def flash_mla_extras(cache_kwargs: dict) -> dict:
+    """``flash_mla_with_kvcache``'s keyword extras for the op's cache keywords (``harness_cache``'s): the fp8
+    scale as ``descale_k``, the mxfp4 block scales, and a8w8's Q format."""
+    extras = {}
+    if "kv_scale" in cache_kwargs:
+        extras["descale_k"] = cache_kwargs["kv_scale"]
+    if "kv_block_scale" in cache_kwargs:
+        extras["kv_block_scale"] = cache_kwargs["kv_block_scale"]
+    if cache_kwargs["q_format"] == "fp8":
+        extras["q_format"] = "fp8"
+    return extras
+
+
 def flash_mla_call(mode: str, data, paging):
     """``mla.flash_mla.flash_mla_with_kvcache`` on the paged cache ``paging`` (FlashMLA's layout: q (batch, s_q,
     h_q, 576), cache_seqlens, block table) with one metadata object reused, as a serving step reuses it across
@@ -724,13 +737,7 @@ def flash_mla_call(mode: str, data, paging):
     batch = len(qo_indptr) - 1
     q4 = q.view(batch, q.shape[0] // batch, q.shape[1], q.shape[2])
     seqlens = kv_indptr.diff().to(torch.int32)
-    extras = {}
-    if "kv_scale" in cache_kwargs:
-        extras["descale_k"] = cache_kwargs["kv_scale"]
-    if "kv_block_scale" in cache_kwargs:
-        extras["kv_block_scale"] = cache_kwargs["kv_block_scale"]
-    if cache_kwargs["q_format"] == "fp8":
-        extras["q_format"] = "fp8"
+    extras = flash_mla_extras(cache_kwargs)
     metadata, _ = get_mla_metadata()
     fp8_cache = cache_kwargs["kv_format"] == "fp8"
 

@@ -286,21 +286,28 @@ def choose_num_splits(
 MODES = constants.MODES
 
 
+def decode_variants(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, q_tile: int, causal: bool,
+                    page_size: int = 0) -> list:
+    """The 16/32/64-row family's kernels ``select_kernels`` may pick for one problem class: the decode kernel with
+    its merge fused, or the split and the direct decode kernels and the combine kernel."""
+    problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal,
+                   page_size=page_size)
+    split_cfg = decode_config(spec, split=True, **problem)
+    if split_cfg.fused_combine:
+        return [split_cfg]
+    return [split_cfg, decode_config(spec, split=False, **problem), combine_config(spec, num_heads=num_heads)]
+
+
 def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:
     """Every kernel the op may launch for one problem class: each mode's split and direct decode kernels and the
     combine kernel, or, where the merge is fused by default (``FUSED_COMBINE_ON_CUDA``), its fused decode kernel; on
     Hopper's 16-row class also the warp-specialised kernel of WS_FORMATS. Used to pre-build (bench.py without a GPU)
     and to test that all of them compile."""
-    variants, combined = [], False
+    variants = []
     for kv_format, q_format in MODES.values():
-        problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal)
-        split_cfg = decode_config(spec, split=True, **problem)
-        variants.append(split_cfg)
-        if not split_cfg.fused_combine:
-            variants.append(decode_config(spec, split=False, **problem))
-            combined = True
-    if combined:
-        variants.append(combine_config(spec, num_heads=num_heads))
+        variants += decode_variants(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile,
+                                    causal=causal)
+    variants = list(dict.fromkeys(variants))  # the combine kernel once
     if uses_ws(spec, num_heads=num_heads, q_tile=q_tile):  # the warp-specialised kernel, for large problems
         variants += [ws_config(spec, kv_format=kv, num_heads=num_heads, causal=causal) for kv in WS_FORMATS]
     return variants

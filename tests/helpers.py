@@ -208,9 +208,8 @@ def classes_of_items(items):
 
 
 def kernel_configs(spec, classes):
-    """The decode configs the op may launch for problem classes ``(mode, num_heads, q_tile, causal, page_size)``:
-    the split and direct kernels and the combine kernel, or the fused-merge kernel where it is the default; on
-    Hopper's 16-row class also the warp-specialised kernel."""
+    """The kernels the op may launch for problem classes ``(mode, num_heads, q_tile, causal, page_size)``
+    (``schedule.decode_variants``); on Hopper's 16-row class also the warp-specialised kernel."""
     from mla import schedule
 
     configs = []
@@ -219,13 +218,8 @@ def kernel_configs(spec, classes):
         if schedule.uses_ws(spec, num_heads=heads, q_tile=q_tile):  # the fused kernel of large problems (and tests)
             configs.append(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
                                               causal=causal, page_size=page_size))
-        problem = dict(kv_format=kv_format, q_format=q_format, num_heads=heads, q_tile=q_tile, causal=causal,
-                       page_size=page_size)
-        split_cfg = schedule.decode_config(spec, split=True, **problem)
-        configs.append(split_cfg)
-        if not split_cfg.fused_combine:  # the direct kernel (one split) and the combine kernel (several)
-            configs.append(schedule.decode_config(spec, split=False, **problem))
-            configs.append(schedule.combine_config(spec, num_heads=heads))
+        configs += schedule.decode_variants(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
+                                            q_tile=q_tile, causal=causal, page_size=page_size)
     return list(dict.fromkeys(configs))  # unique, in order
 
 

@@ -31,8 +31,8 @@ MXFP4_SCALES_PER_TOKEN = QK_DIM // MXFP4_BLOCK  # 18
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 MERGE_CHUNK = 16  # fused_combine: split weights computed per chunk of this many splits (shared memory)
 # fused_combine: the merge reads other CTAs' partials through L2 (ld.global.cg: never a stale L1 line), by address,
-# so TileLang's bounds legalisation puts no branch around each load (the indices are clamped into the buffers).
-# Guarded, each load waited for the one before it: run 17 measured that merge 2-3x slower per split.
+# so TileLang's bounds legalisation puts no branch around each load (``merge_row`` clamps the rows instead). With a
+# branch per load the merge was 2-3x slower (docs/perf.md, run 17).
 MERGE_CUDA_SOURCE = """
 __device__ __forceinline__ float mla_merge_load(const float* p) { return __ldcg(p); }
 """
@@ -270,9 +270,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
 
     def merge_row(sp, q_pass, r, q_begin, q_len, hg, rows):
         """The partial row the merge reads for split sp, query pass q_pass, row r, clamped into a buffer of ``rows``
-        rows: rows past the sequence's queries read its last query's partials (never written out), and the compiler
-        can prove every read in bounds, so it guards none of them (a guarded load is a branch the next load waits
-        behind: run 17 measured the guarded merge ~10x slower than the combine kernel)."""
+        rows: rows past the sequence's queries read its last query's partials (never written out), and no read
+        leaves the buffer (``merge_load`` reads by address, unchecked)."""
         at = partial_row(sp, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
         return T.max(T.min(at, rows - 1), 0)
 
@@ -345,7 +344,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 for chunk in T.serial(T.ceildiv(n_splits, MERGE_CHUNK)):
                     for c, r in T.Parallel(MERGE_CHUNK, block_m):
                         sp = chunk * MERGE_CHUNK + c
-                        lse2 = merge_load(LSE_partial, merge_row(T.min(sp, n_splits - 1), q_pass, r, q_begin, q_len, hg, l_len))
+                        at = (q_pass, r, q_begin, q_len, hg, l_len)
+                        lse2 = merge_load(LSE_partial, merge_row(T.min(sp, n_splits - 1), *at))
                         Merge_scale[c, r] = T.if_then_else(sp < n_splits, lse2, -T.infinity(accum_dtype))
                     for r in T.Parallel(block_m):
                         for c in T.serial(MERGE_CHUNK):
@@ -357,7 +357,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                     # The chunk's weights 2^(lse - max) (0 past the last split, or for a row that saw nothing).
                     for c, r in T.Parallel(MERGE_CHUNK, block_m):
                         sp = chunk * MERGE_CHUNK + c
-                        lse2 = merge_load(LSE_partial, merge_row(T.min(sp, n_splits - 1), q_pass, r, q_begin, q_len, hg, l_len))
+                        at = (q_pass, r, q_begin, q_len, hg, l_len)
+                        lse2 = merge_load(LSE_partial, merge_row(T.min(sp, n_splits - 1), *at))
                         Merge_scale[c, r] = T.if_then_else(
                             sp < n_splits and Merge_max[r] != -T.infinity(accum_dtype), T.exp2(lse2 - Merge_max[r]), 0
                         )

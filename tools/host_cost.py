@@ -23,6 +23,7 @@ host's time alone: each round enqueues at most 200 calls while a sleep kernel ho
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -34,6 +35,7 @@ os.environ.setdefault("MLA_TARGET", "sm_90a")
 
 import torch  # noqa: E402
 
+import bench  # noqa: E402
 from mla import jit  # noqa: E402
 from mla.constants import MODES  # noqa: E402
 
@@ -102,15 +104,9 @@ def per_call_us(fn, calls: int) -> float:
     return statistics.median(rounds)
 
 
-_CYCLES = []
-
-
+@functools.lru_cache(maxsize=None)
 def _cycles_per_us() -> float:
-    if not _CYCLES:
-        import bench
-
-        _CYCLES.append(bench.sleep_cycles_per_us())
-    return _CYCLES[0]
+    return bench.sleep_cycles_per_us()
 
 
 def callables(mode: str, args, page_size: int):
@@ -134,6 +130,7 @@ def callables(mode: str, args, page_size: int):
     def planned():
         return the_plan.run(q, kv, **run_kwargs)
 
+    planned.plan = the_plan  # for --breakdown
     fns = {"eager": eager, "plan": planned}
     if page_size:
         seqlens = torch.full((args.batch,), args.kv_len, dtype=torch.int32, device=DEVICE)
@@ -141,11 +138,7 @@ def callables(mode: str, args, page_size: int):
         # pattern reads them); on cuda, FlashMLA's current pattern (filled by the first call).
         meta = MLAMetadata(kv_lens) if DEVICE == "meta" else get_mla_metadata()[0]
         q4 = q.view(args.batch, 1, args.heads, 576)
-        flash_kw = {"descale_k": kwargs["kv_scale"]} if "kv_scale" in kwargs else {}
-        if "kv_block_scale" in kwargs:
-            flash_kw["kv_block_scale"] = kwargs["kv_block_scale"]
-        if kwargs["q_format"] == "fp8":
-            flash_kw["q_format"] = "fp8"
+        flash_kw = bench.flash_mla_extras(kwargs)
 
         def flash():
             return flash_mla_with_kvcache(q4, kv, table, seqlens, 512, meta, is_fp8_kvcache=kwargs["kv_format"] == "fp8",
@@ -269,9 +262,7 @@ def print_breakdown(args) -> int:
         fns = callables(mode, args, 0)
         planned = fns["plan"]
         planned()
-        the_plan = planned.__closure__ and next(c.cell_contents for c in planned.__closure__
-                                                 if type(c.cell_contents).__name__ == "DecodePlan")
-        launch = next(iter(the_plan._launches.values()))
+        launch = next(iter(planned.plan._launches.values()))
         real = {name: getattr(launch, name) for name in ("decode", "combine") if getattr(launch, name) is not None}
         captured = {}
         for name, fn in real.items():
@@ -315,9 +306,7 @@ def print_a8w8_options(args) -> int:
     reference = options["q.abs().amax().float().reshape(1)"]()
     gpu = None
     if DEVICE == "cuda":
-        import bench
-
-        cycles = bench.sleep_cycles_per_us()
+        cycles = _cycles_per_us()
         gpu = lambda fn, host: bench.gpu_us_per_call(fn, 50, host, cycles)["gpu_us"]  # noqa: E731
     print(f"a8w8 amax(|q|) of q ({args.batch}, {args.heads}, 576) on {DEVICE}: host us per call"
           + (", GPU us per call" if gpu else ""))
