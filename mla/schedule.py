@@ -24,10 +24,12 @@ COMBINE_TILES_PER_SPLIT = 0.1  # the combine reads every split's partial output:
 WS_COMBINE_OVERHEAD_TILES = 0.5
 WS_COMBINE_TILES_PER_SPLIT = 0.25
 # Hopper's 16/32/64-row kernel can merge its splits the same way (``fused_combine``: one launch per call instead
-# of decode + combine, ~5 us less host time per call on the H200 host). Opt-in, not the default: on the H200
-# (docs/perf.md, run 17) its merge by the last CTA cost ~15 us more GPU time per call than the combine kernel (4 x
-# 1024 bf16: 27-28 us against 12.6 us), more than the host saves; the cause is not found yet. When fused, the split
-# model takes the warp-specialised kernel's merge costs. gfx942 always uses the combine kernel.
+# of decode + combine, ~4-8 us less host time per call on the H200 host). Opt-in, not the default: its merge runs in
+# one CTA per (sequence, head group), and one SM keeps too few requests in flight to read every split's partial as
+# fast as the combine kernel's 64+ CTAs do. On the H200 (docs/perf.md, runs 17-18), 4 x 1024 bf16 at 16 splits:
+# 21.9 us per call against 12.4 for decode + combine (run 17's merge: 32-34 us); ~1 us per two splits plus ~3 us
+# fixed, more GPU time than the host saves. When fused, the split model takes the warp-specialised kernel's merge
+# costs. gfx942 always uses the combine kernel.
 FUSED_COMBINE_ON_CUDA = False
 # Depth of the warp-specialised kernel's 16-bit ring: two 72 KiB stages, one CTA per SM (a third stage never helped
 # bf16, docs/perf.md run 14; the fp8 / mxfp4 decoders hold exactly two tiles in registers).

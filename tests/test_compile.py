@@ -9,6 +9,7 @@ import pytest
 
 from mla import jit, schedule
 from mla.target import spec_for_name
+from tl_kernels.mla_decode import DecodeKernelConfig, mla_decode_kernel
 
 H200 = spec_for_name("sm_90a")
 VARIANTS = schedule.kernel_variants(H200) + [
@@ -35,3 +36,28 @@ def test_variant_compiles_for_sm90a(cfg):
             # Compressed KV is read as is: the kernel's KV argument has the compressed element type.
             kv_type = "fp8_e4_t" if cfg.kv_format == "fp8" else "uchar"
             assert f"{kv_type}* __restrict__ KV" in source, f"{cfg.name}: KV is not read in its compressed form"
+
+
+FUSED_VARIANTS = [cfg for cfg in VARIANTS if isinstance(cfg, DecodeKernelConfig) and cfg.fused_combine]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot compile CUDA here")
+@pytest.mark.parametrize("cfg", FUSED_VARIANTS, ids=[cfg.name for cfg in FUSED_VARIANTS])
+def test_fused_merge_reads_whole_chunks_unguarded(cfg):
+    """The fused merge is bound by the requests one SM keeps in flight (docs/perf.md, run 18): it reads the other
+    CTAs' partials as 16-byte chunks (``mla_merge_load4``), and no bounds branch of TileLang's sits around them (a
+    branch per load serialises the loads)."""
+    source = jit.get_kernel(cfg, H200).get_kernel_source()
+    lines = [line.strip() for line in source.splitlines()]
+    calls = [i for i, line in enumerate(lines) if line.startswith("mla_merge_load4(")]
+    assert calls, f"{cfg.name}: the merge does not read 16-byte chunks"
+    for i in calls:
+        assert not lines[i - 1].startswith("if ("), f"{cfg.name}: a guard around a merge load: {lines[i - 1]}"
+    assert "mla_merge_store4(" in source, f"{cfg.name}: the merge does not write whole chunks"
+
+
+def test_fused_merge_needs_threads_that_cover_whole_rows():
+    """Thread t reads chunk t of a 128-chunk row: the thread count must be a multiple of 128."""
+    cfg = DecodeKernelConfig(kv_format="bf16", num_heads=16, block_h=16, threads=64, fused_combine=True)
+    with pytest.raises(ValueError, match="fused_combine"):
+        mla_decode_kernel(cfg)

@@ -30,11 +30,30 @@ MXFP4_BLOCK = 32  # elements per e8m0 scale
 MXFP4_SCALES_PER_TOKEN = QK_DIM // MXFP4_BLOCK  # 18
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 MERGE_CHUNK = 16  # fused_combine: split weights computed per chunk of this many splits (shared memory)
-# fused_combine: the merge reads other CTAs' partials through L2 (ld.global.cg: never a stale L1 line), by address,
-# so TileLang's bounds legalisation puts no branch around each load (``merge_row`` clamps the rows instead). With a
-# branch per load the merge was 2-3x slower (docs/perf.md, run 17).
+MERGE_GROUP = 16  # fused_combine: float4 chunks per thread whose loads (two splits' worth) are issued together
+# fused_combine: the merging CTA reads other CTAs' partials through L2 (ld.global.cg: never a stale L1 line), by
+# address, so TileLang's bounds legalisation puts no branch around each load (the rows are clamped instead; with a
+# branch per load the merge was 2-3x slower, docs/perf.md run 17). The merge is bound by the requests one SM can
+# keep in flight, so its loads are coalesced 16-byte chunks: thread t reads chunk t of a row (a warp 512 contiguous
+# bytes), two splits per step with all their loads issued before the first add (run 18: a contiguous run per thread,
+# i.e. a 256-byte stride across a warp, cost ~2 us per step of two splits at 4 x 1024; run 17's element-wise merge in
+# the MMA layout ~1-2 us per split).
 MERGE_CUDA_SOURCE = """
+#include <cuda_bf16.h>
 __device__ __forceinline__ float mla_merge_load(const float* p) { return __ldcg(p); }
+
+// dst[0, 4) = src[0, 4), 16-byte aligned, through L2.
+__device__ __forceinline__ void mla_merge_load4(float* dst, const float* src) {
+  *reinterpret_cast<float4*>(dst) = __ldcg(reinterpret_cast<const float4*>(src));
+}
+
+// out[0, 4) = bf16(src[0, 4) * scale); out 8-byte aligned.
+__device__ __forceinline__ void mla_merge_store4(void* out, const float* src, float scale) {
+  uint2 packed;
+  reinterpret_cast<__nv_bfloat162*>(&packed)[0] = __floats2bfloat162_rn(src[0] * scale, src[1] * scale);
+  reinterpret_cast<__nv_bfloat162*>(&packed)[1] = __floats2bfloat162_rn(src[2] * scale, src[3] * scale);
+  *reinterpret_cast<uint2*>(out) = packed;
+}
 """
 
 KV_FORMATS = ("bf16", "fp8", "mxfp4")
@@ -318,14 +337,27 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 else:
                     LSE_partial[split_id, q_begin + qi, hg * block_h + r % block_h] = lse2
 
+    # fused_combine's merge: a partial row is 128 chunks of 4 dims; chunk c of row r (c + 128 r = i * threads + tx
+    # for i < merge_chunks) is thread tx's i-th, so a warp reads 512 contiguous bytes per chunk.
+    row_chunks = KV_LORA_RANK // 4
+    merge_chunks = block_m * row_chunks // cfg.threads
+    merge_group = min(merge_chunks, MERGE_GROUP)
+    if fused and (cfg.threads % row_chunks or merge_chunks % merge_group):
+        raise ValueError(f"fused_combine: {cfg.threads} threads cannot share {block_m} rows of {KV_LORA_RANK} dims")
+
+    def merge_chunk(i, tx):
+        """(row, first dim) of thread tx's i-th chunk."""
+        at = i * cfg.threads + tx
+        return at // row_chunks, at % row_chunks * 4
+
     @T.macro
-    def merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, acc_o, denom, row_max, weights,
-                     Merge_scale, Merge_max, last_flag, tx, q_begin, q_len, seq_id, hg):
+    def merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, row_max, Merge_scale, Merge_max,
+                     merge_acc, merge_stage, merge_denom, last_flag, tx, q_begin, q_len, seq_id, hg):
         # Fused combine: publish this split's partials, count the split on the (sequence, head group) semaphore;
         # the CTA that counts last merges every split by LSE into the output (the combine kernel's work) and
-        # resets the semaphore for the next call. The merge is latency-bound (one CTA reads every partial), so
-        # the LSEs and the splits' weights are computed MERGE_CHUNK splits at a time in shared memory, and four
-        # splits' partials are read per step, unguarded (``merge_load``), so their loads are in flight together.
+        # resets the semaphore for the next call. The LSEs and the splits' weights are computed MERGE_CHUNK
+        # splits at a time in shared memory (one load per thread); then each thread adds its chunks of every
+        # split's partial rows, two splits per step, and writes its chunks of the output.
         T.call_extern("handle", "__threadfence")
         T.sync_threads()
         if tx == 0:
@@ -340,7 +372,6 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 # The max LSE per row: each chunk's LSEs loaded together into shared memory, then reduced there.
                 for r in T.Parallel(block_m):
                     row_max[r] = -T.infinity(accum_dtype)
-                    denom[r] = 0
                 for chunk in T.serial(T.ceildiv(n_splits, MERGE_CHUNK)):
                     for c, r in T.Parallel(MERGE_CHUNK, block_m):
                         sp = chunk * MERGE_CHUNK + c
@@ -352,9 +383,13 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                             row_max[r] = T.max(row_max[r], Merge_scale[c, r])
                 for r in T.Parallel(block_m):
                     Merge_max[r] = row_max[r]
-                T.fill(acc_o, 0)
+                for i in T.unroll(merge_chunks * 4):
+                    merge_acc[i] = 0
+                for i in T.unroll(merge_chunks):
+                    merge_denom[i] = 0
                 for chunk in T.serial(T.ceildiv(n_splits, MERGE_CHUNK)):
                     # The chunk's weights 2^(lse - max) (0 past the last split, or for a row that saw nothing).
+                    T.sync_threads()
                     for c, r in T.Parallel(MERGE_CHUNK, block_m):
                         sp = chunk * MERGE_CHUNK + c
                         at = (q_pass, r, q_begin, q_len, hg, l_len)
@@ -362,25 +397,46 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                         Merge_scale[c, r] = T.if_then_else(
                             sp < n_splits and Merge_max[r] != -T.infinity(accum_dtype), T.exp2(lse2 - Merge_max[r]), 0
                         )
-                    for r in T.Parallel(block_m):
-                        for c in T.serial(MERGE_CHUNK):
-                            denom[r] += Merge_scale[c, r]
-                    for quad in T.serial(T.ceildiv(T.min(MERGE_CHUNK, n_splits - chunk * MERGE_CHUNK), 4)):
-                        for r in T.Parallel(block_m):
-                            weights[0][r] = Merge_scale[quad * 4, r]
-                            weights[1][r] = Merge_scale[quad * 4 + 1, r]
-                            weights[2][r] = Merge_scale[quad * 4 + 2, r]
-                            weights[3][r] = Merge_scale[quad * 4 + 3, r]
-                        for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                            first = chunk * MERGE_CHUNK + quad * 4  # splits past the last: clamped, weight 0
-                            at = (q_pass, r, q_begin, q_len, hg, o_rows)
-                            acc_o[tr(r, d)] += (
-                                weights[0][r] * merge_load(O_partial, partial_elem(T.min(first, n_splits - 1), *at, d))
-                                + weights[1][r] * merge_load(O_partial, partial_elem(T.min(first + 1, n_splits - 1), *at, d))
-                                + weights[2][r] * merge_load(O_partial, partial_elem(T.min(first + 2, n_splits - 1), *at, d))
-                                + weights[3][r] * merge_load(O_partial, partial_elem(T.min(first + 3, n_splits - 1), *at, d))
+                    T.sync_threads()
+                    # Two splits per step (a split past the last reads the last one's rows, with weight 0): a group
+                    # of chunks' loads for both, then their adds.
+                    for pair in T.serial(T.ceildiv(T.min(MERGE_CHUNK, n_splits - chunk * MERGE_CHUNK), 2)):
+                        first = chunk * MERGE_CHUNK + pair * 2
+                        for group in T.unroll(merge_chunks // merge_group):
+                            for g in T.unroll(merge_group):
+                                r, d = merge_chunk(group * merge_group + g, tx)
+                                at = (q_pass, r, q_begin, q_len, hg, o_rows)
+                                for half in T.unroll(2):
+                                    sp = T.min(first + half, n_splits - 1)
+                                    T.call_extern("handle", "mla_merge_load4",
+                                                  merge_stage.access_ptr("w", offset=(half * merge_group + g) * 4),
+                                                  O_partial.access_ptr("r", offset=partial_elem(sp, *at, d)))
+                            for g in T.unroll(merge_group):
+                                i = group * merge_group + g
+                                r, _ = merge_chunk(i, tx)
+                                w0, w1 = Merge_scale[pair * 2, r], Merge_scale[pair * 2 + 1, r]
+                                merge_denom[i] += w0 + w1
+                                for j in T.unroll(4):
+                                    merge_acc[i * 4 + j] += (w0 * merge_stage[g * 4 + j]
+                                                             + w1 * merge_stage[(merge_group + g) * 4 + j])
+                # This thread's chunks of the output (0 where nothing was seen), and the rows' natural-log LSE.
+                for i in T.unroll(merge_chunks):
+                    r, d = merge_chunk(i, tx)
+                    qi = q_pass * q_tile + r // block_h
+                    if qi < q_len:
+                        head = hg * block_h + r % block_h
+                        T.call_extern(
+                            "handle", "mla_merge_store4",
+                            Out.access_ptr("w", offset=((q_begin + qi) * heads + head) * KV_LORA_RANK + d),
+                            merge_acc.access_ptr("r", offset=i * 4),
+                            T.if_then_else(merge_denom[i] > 0, 1.0 / merge_denom[i], 0),
+                        )
+                        if d == 0:
+                            LSE[q_begin + qi, head] = T.if_then_else(
+                                merge_denom[i] > 0, (T.log2(merge_denom[i]) + Merge_max[r]) * ln2,
+                                -T.infinity(accum_dtype),
                             )
-                write_output(Out, LSE, acc_o, denom, row_max, 1.0, q_begin, q_len, q_pass, hg)
+                T.sync_threads()  # Merge_max / Merge_scale are rewritten by the next pass
             if tx == 0:
                 Semaphores[seq_id * head_groups + hg] = 0
 
@@ -416,6 +472,9 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 last_flag = T.alloc_shared([1], "int32")  # the semaphore's count before this CTA's
                 Merge_scale = T.alloc_shared([MERGE_CHUNK, block_m], accum_dtype)  # the merge's split weights
                 Merge_max = T.alloc_shared([block_m], accum_dtype)  # the merge's max LSE per row
+                merge_acc = T.alloc_local([merge_chunks * 4], accum_dtype)  # this thread's chunks of the merge
+                merge_stage = T.alloc_local([2 * merge_group * 4], accum_dtype)  # a group's loads, both splits
+                merge_denom = T.alloc_local([merge_chunks], accum_dtype)  # each chunk's row's sum of weights
                 tx = T.get_thread_binding()
 
             # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
@@ -557,9 +616,9 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             # Stage 7 (fused_combine, several splits): the last split of the (sequence, head group) merges them.
             if fused:
                 if n_splits > 1:
-                    merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, acc_o, denom, row_max,
-                                 [rescale, row_max_safe, row_max_prev, row_sum], Merge_scale, Merge_max, last_flag, tx,
-                                 q_begin, q_len, seq_id, hg)
+                    merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, row_max, Merge_scale,
+                                 Merge_max, merge_acc, merge_stage, merge_denom, last_flag, tx, q_begin, q_len,
+                                 seq_id, hg)
 
     if cfg.dim_split:
         decode_body = _dim_split_body(
