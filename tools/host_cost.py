@@ -15,6 +15,9 @@ on the GPU host a launch adds the tvm-ffi call itself and CUDA allocations cost 
     python tools/host_cost.py --device cuda --a8w8              # the ways to compute a8w8's amax(|q|), host and GPU
     python tools/host_cost.py --device cuda --breakdown         # one plan.run per mode: its launches alone, its
                                                                 # Python alone (launchers made no-ops)
+    python tools/host_cost.py --device cuda --idle              # host time per call with the GPU held against
+                                                                # with it idle (bench.py's host table), torch
+                                                                # launches beside ours, and a torch.profiler summary
 
 Each line: the median over 5 rounds of (wall time of ``--calls`` back-to-back calls / calls), in us; on cuda the
 host's time alone: each round enqueues at most 200 calls while a sleep kernel holds the GPU (``per_call_us``).
@@ -163,6 +166,8 @@ def main(argv=None) -> int:
                         help="meta: no-op launchers (default); cuda: the real kernels")
     parser.add_argument("--primitives", action="store_true", help="time the torch / tvm-ffi primitives of a call")
     parser.add_argument("--a8w8", action="store_true", help="time the ways to compute a8w8's amax(|q|)")
+    parser.add_argument("--idle", action="store_true",
+                        help="cuda: per call, the host time with the GPU held vs idle, beside torch launches")
     parser.add_argument("--breakdown", action="store_true",
                         help="per mode: plan.run, each of its kernel launches alone, and plan.run with no-op launchers")
     args = parser.parse_args(argv)
@@ -178,6 +183,8 @@ def main(argv=None) -> int:
         return print_a8w8_options(args)
     if args.breakdown:
         return print_breakdown(args)
+    if args.idle:
+        return print_idle(args)
     if args.profile:
         import cProfile
         import pstats
@@ -236,6 +243,11 @@ def print_primitives(args) -> int:
               f"__dlpack_c_exchange_api__: {hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}")
         ops["raw current stream"] = lambda: torch._C._cuda_getCurrentRawStream(q.device.index)
         ops["torch.cuda.current_stream()"] = torch.cuda.current_stream
+        ops["capture check (_cuda_isCurrentStreamCapturing)"] = torch._C._cuda_isCurrentStreamCapturing
+        ops["q.view(4-D -> 3-D)"] = lambda: q.view(args.batch, args.heads, 576)
+        lse_like = torch.zeros(args.batch, args.heads, device=DEVICE)
+        ops["nan_to_num of an LSE (1 launch)"] = lambda: torch.nan_to_num(lse_like, nan=math.nan, posinf=math.inf,
+                                                                         neginf=math.inf)
         from mla import jit as real_jit, schedule
         from mla.target import spec_for_device
 
@@ -280,6 +292,109 @@ def print_breakdown(args) -> int:
             tensors = sum(isinstance(x, torch.Tensor) for x in a)
             alone.append(f"{name} {per_call_us(lambda: fn(*a), args.calls):.2f} ({tensors}/{len(a) - tensors})")
         print(f"  {mode:<6} {whole:8.2f} {python_only:16.2f}   " + ", ".join(alone), flush=True)
+    return 0
+
+
+def _busy_wait_us(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def idle_per_call_us(fn, calls: int) -> tuple[float, float]:
+    """(enqueue, total) us per call of ``calls`` back-to-back calls on an idle GPU, as bench.py's host table makes
+    them: the host's time to return from the calls, and that plus the final synchronisation; medians of ROUNDS."""
+    for _ in range(min(calls, 200)):
+        fn()
+    enqueued, total = [], []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        enqueued.append((time.perf_counter() - start) * 1e6 / calls)
+        torch.cuda.synchronize()
+        total.append((time.perf_counter() - start) * 1e6 / calls)
+    return statistics.median(enqueued), statistics.median(total)
+
+
+def print_idle(args) -> int:
+    """Is a call's host time the same with the GPU held by a sleep kernel (``per_call_us``) and with it idle, each
+    call's kernels starting at once (``idle_per_call_us``, what bench.py's host table sees)? For torch's own
+    launches, our launchers alone (the arguments one plan.run passed them), plan.run (two kernels, and the fused
+    merge: one), its Python alone and the eager call; then torch.profiler's CPU-side summary of idle plan.run calls
+    (the CUDA driver and runtime calls, with their mean durations)."""
+    if DEVICE != "cuda":
+        print("--idle needs --device cuda")
+        return 1
+    from mla.decode import plan
+
+    calls = min(args.calls, HELD_CALLS)
+    cell = torch.zeros(1, device="cuda")
+    fns = {"torch: x.add_(1), 1 launch": lambda: cell.add_(1),
+           "torch: x.add_(1) twice, 2 launches": lambda: (cell.add_(1), cell.add_(1)),
+           "torch.empty of the output": lambda: torch.empty(args.batch, args.heads, 512, dtype=torch.bfloat16,
+                                                             device="cuda")}
+    for mode in args.modes.split(","):
+        base = callables(mode, args, 0)
+        planned = base["plan"]
+        planned()
+        launch = next(iter(planned.plan._launches.values()))
+        real = {name: getattr(launch, name) for name in ("decode", "combine") if getattr(launch, name) is not None}
+        captured = {}
+        for name, fn in real.items():
+            setattr(launch, name, lambda *a, _n=name, _f=fn: (captured.__setitem__(_n, a), _f(*a)))
+        planned()
+        for name, fn in real.items():
+            setattr(launch, name, fn)
+            fns[f"{mode}: {name} launch alone"] = lambda _f=fn, _a=captured[name]: _f(*_a)
+        fns[f"{mode}: plan.run ({len(real)} launches)"] = planned
+        the_plan = planned.plan
+        q, kv, qo, kvp, kwargs, _ = inputs(mode, args.batch, args.kv_len, args.heads, 0)
+        run_kwargs = {k: v for k, v in kwargs.items() if k in ("kv_scale", "kv_block_scale")}
+        fused = plan(list(range(args.batch + 1)), [i * args.kv_len for i in range(args.batch + 1)],
+                     num_heads=args.heads, kv_format=kwargs["kv_format"], q_format=kwargs["q_format"], device="cuda",
+                     num_splits=the_plan.num_splits, config_overrides={"fused_combine": True})
+        fns[f"{mode}: plan.run, fused merge (1 launch)"] = lambda _p=fused, _q=q, _kv=kv, _k=run_kwargs: _p.run(
+            _q, _kv, **_k)
+        fns[f"{mode}: eager mla_decode"] = base["eager"]
+        noop_plan = callables(mode, args, 0)["plan"]
+        noop_plan()
+        noop_launch = next(iter(noop_plan.plan._launches.values()))
+        for name in real:
+            setattr(noop_launch, name, lambda *a: None)
+        fns[f"{mode}: plan.run, launchers no-ops"] = noop_plan
+    # A torch kernel of about the decode's GPU time, and the same calls with the host made slower than the GPU
+    # (a busy wait): does a host-bound loop cost its host time, or more?
+    a = torch.randn(1536, 1536, dtype=torch.bfloat16, device="cuda")
+    fns["torch: 1536^3 bf16 matmul"] = lambda: a @ a
+    fns["torch: matmul + 20 us host busy wait"] = lambda: (a @ a, _busy_wait_us(20.0))
+    for name in [n for n in fns if n.endswith("decode launch alone") or n.endswith("plan.run (2 launches)")]:
+        fns[name + " + 20 us host busy wait"] = lambda _f=fns[name]: (_f(), _busy_wait_us(20.0))
+    print(f"host us per call (batch {args.batch} x kv {args.kv_len}, {args.heads} heads, {calls} calls, median of "
+          f"{ROUNDS}): GPU held | GPU idle: enqueue, and with the final synchronisation | GPU us per call, "
+          "queued behind a sleep kernel")
+    for name, fn in fns.items():
+        held = per_call_us(fn, calls)
+        enqueue, total = idle_per_call_us(fn, calls)
+        gpu = statistics.median(bench.gpu_us_per_call(fn, 50, held, _cycles_per_us())["gpu_us"] for _ in range(3))
+        print(f"  {name:<56} {held:8.2f} | {enqueue:8.2f} {total:8.2f} | {gpu:8.2f}", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    for name in [n for n in fns if "plan.run (" in n or "x.add_(1), 1" in n]:
+        fn = fns[name]
+        for held in (False, True):
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            if held:
+                torch.cuda._sleep(int(100 * HELD_US_PER_CALL * _cycles_per_us()))
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(100):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"\ntorch.profiler, 100 calls of {name}, GPU {'held' if held else 'idle'}:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
     return 0
 
 

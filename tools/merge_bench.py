@@ -6,8 +6,8 @@ default decode + combine kernels, through a plan, per split count (docs/perf.md,
     ncu --kernel-name regex:fused -c 1 python tools/merge_bench.py --shapes 4x1024 --splits 8 --calls 1
 
 Each entry: the mean GPU time per call of ``--calls`` calls queued behind a sleep kernel (CUDA events around
-them), in us; each plan is made once, untimed. The measurement of run 17 (made there by a scratch script of the same
-calls); this file itself has not run on a GPU yet.
+them), in us; each plan is made once, untimed. Run 17's measurement (made there by a scratch script of the same
+calls); this file ran on the H200 in run 18 (docs/perf.md).
 """
 
 import argparse
