@@ -264,6 +264,21 @@ def print_primitives(args) -> int:
     return 0
 
 
+def captured_launches(planned):
+    """(the plan's Launch, its launchers by name, the positional arguments one ``planned()`` call passed each): the
+    launchers are wrapped for one call, then put back."""
+    planned()
+    launch = next(iter(planned.plan._launches.values()))
+    real = {name: getattr(launch, name) for name in ("decode", "combine") if getattr(launch, name) is not None}
+    captured = {}
+    for name, fn in real.items():
+        setattr(launch, name, lambda *a, _n=name, _f=fn: (captured.__setitem__(_n, a), _f(*a)))
+    planned()
+    for name, fn in real.items():
+        setattr(launch, name, fn)
+    return launch, real, captured
+
+
 def print_breakdown(args) -> int:
     """Where one ``DecodePlan.run`` spends its host time: the whole call, each kernel launcher called alone with the
     arguments the run passed it, and the run with its launchers replaced by no-ops (the op's Python and torch work)."""
@@ -273,13 +288,7 @@ def print_breakdown(args) -> int:
     for mode in args.modes.split(","):
         fns = callables(mode, args, 0)
         planned = fns["plan"]
-        planned()
-        launch = next(iter(planned.plan._launches.values()))
-        real = {name: getattr(launch, name) for name in ("decode", "combine") if getattr(launch, name) is not None}
-        captured = {}
-        for name, fn in real.items():
-            setattr(launch, name, lambda *a, _n=name, _f=fn: (captured.__setitem__(_n, a), _f(*a)))
-        planned()
+        launch, real, captured = captured_launches(planned)
         for name in real:
             setattr(launch, name, lambda *a: None)
         python_only = per_call_us(planned, args.calls)
@@ -338,15 +347,8 @@ def print_idle(args) -> int:
     for mode in args.modes.split(","):
         base = callables(mode, args, 0)
         planned = base["plan"]
-        planned()
-        launch = next(iter(planned.plan._launches.values()))
-        real = {name: getattr(launch, name) for name in ("decode", "combine") if getattr(launch, name) is not None}
-        captured = {}
+        _, real, captured = captured_launches(planned)
         for name, fn in real.items():
-            setattr(launch, name, lambda *a, _n=name, _f=fn: (captured.__setitem__(_n, a), _f(*a)))
-        planned()
-        for name, fn in real.items():
-            setattr(launch, name, fn)
             fns[f"{mode}: {name} launch alone"] = lambda _f=fn, _a=captured[name]: _f(*_a)
         fns[f"{mode}: plan.run ({len(real)} launches)"] = planned
         the_plan = planned.plan
