@@ -361,8 +361,7 @@ def print_idle(args) -> int:
             _q, _kv, **_k)
         fns[f"{mode}: eager mla_decode"] = base["eager"]
         noop_plan = callables(mode, args, 0)["plan"]
-        noop_plan()
-        noop_launch = next(iter(noop_plan.plan._launches.values()))
+        noop_launch, _, _ = captured_launches(noop_plan)
         for name in real:
             setattr(noop_launch, name, lambda *a: None)
         fns[f"{mode}: plan.run, launchers no-ops"] = noop_plan

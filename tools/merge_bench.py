@@ -29,18 +29,11 @@ TWO_KERNELS = {"fused_combine": False}
 
 
 def gpu_us_per_call(fn, calls: int, cycles_per_us: float) -> float:
-    """GPU time per call of ``calls`` calls queued behind a sleep kernel (the GPU never waits for the host)."""
+    """GPU time per call of ``calls`` calls queued behind a sleep kernel (``bench.gpu_us_per_call``), after a
+    warm-up; the sleep allows 150 us of host time per call."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(max(2000.0, 300.0 * calls) * cycles_per_us))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
+    return bench.gpu_us_per_call(fn, calls, 150.0, cycles_per_us)["gpu_us"]
 
 
 def main(argv=None) -> int:
