@@ -10,9 +10,11 @@ Two launch forms, chosen by the decode config:
       (one split: decode(..., sm_scale, out, lse), no combine);
   - one launch when the config has ``fused_combine`` (the split combine inside the decode kernel):
       decode(q, kv_rows, block_scales, scale_stride, q_scale, kv_scale, qo_indptr, kv_indptr, [page_table], sm_scale,
-             num_splits, o_partial, lse_partial, semaphores, out, lse)
-      with flat fp32 partials (1-element dummies for one split) and zeroed int32 semaphores, at least
-      batch * (num_heads // block_h), that the kernel leaves at zero (``mla.workspace``).
+             num_splits, o_partial, lse_partial, [semaphores], out, lse)
+      with flat fp32 partials (1-element dummies for one split) and, for the families whose last CTA merges (the
+      warp-specialised and 64-row kernels), zeroed int32 semaphores, at least batch * semaphores per sequence, that
+      the kernel leaves at zero (``mla.workspace``). Hopper's 16/32/64-row decode kernel merges after a grid-wide
+      barrier and takes none.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class Launch:
                         call.batch, call.total_q, total_kv, num_splits, overrides)
             self.decode, self.combine, self.num_splits, self.fused = k.decode, k.combine, k.num_splits, k.fused
             if k.fused:
-                # One counter per (sequence, head group); the 64-row family says its own count (row tiles).
+                # One counter per (sequence, head group); the other families say their own count (the 64-row one:
+                # its row tiles; the 16/32/64-row decode kernel: none).
                 per_seq = getattr(k.decode_cfg, "semaphores_per_seq", call.num_heads // k.decode_cfg.block_h)
                 self.semaphore_count = call.batch * per_seq
         # The fused kernels' partial arguments with one split (never read), made here: not inside a graph capture.
@@ -215,8 +218,11 @@ class Launch:
                 o_partial = lse_partial = self.dummy_partials
             else:
                 o_partial, lse_partial = ws.o_partial_flat, ws.lse_partial_flat
-            semaphores = workspace.semaphores(self.device, self.semaphore_count) if eager else ws.semaphores
-            self.decode(*args, self.num_splits, o_partial, lse_partial, semaphores, out, lse)
+            if self.semaphore_count:
+                semaphores = workspace.semaphores(self.device, self.semaphore_count) if eager else ws.semaphores
+                self.decode(*args, self.num_splits, o_partial, lse_partial, semaphores, out, lse)
+            else:
+                self.decode(*args, self.num_splits, o_partial, lse_partial, out, lse)
         elif self.num_splits == 1:
             self.decode(*args, out, lse)
         else:

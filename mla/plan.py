@@ -37,7 +37,7 @@ class DecodePlan:
     """
 
     def __init__(self, *, spec, device, kv_format, q_format, num_heads, causal, sm_scale, page_size, kv_lens,
-                 total_q, num_splits, qo_indptr, kv_indptr, page_table, overrides, fused=False):
+                 total_q, num_splits, qo_indptr, kv_indptr, page_table, overrides, with_semaphores=False):
         self.spec = spec
         self.device = device
         self.kv_format = kv_format
@@ -64,7 +64,7 @@ class DecodePlan:
             o_flat = torch.empty(lse_flat.numel() * KV_LORA_RANK, dtype=torch.float32, device=device)
             o_partial, lse_partial = o_flat.view(*shape, KV_LORA_RANK), lse_flat.view(shape)
         unread_lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=device)
-        semaphores = self._semaphores() if fused else None
+        semaphores = self._semaphores() if with_semaphores else None
         q_amax = q_amax_arg = None
         if q_format == "fp8":  # a8w8 from bf16 Q: amax(|q|), written by each run's reduction, read by its kernel
             q_amax_arg = torch.empty(1, dtype=torch.float32, device=device)
@@ -167,7 +167,7 @@ class DecodePlan:
             raise ValueError(f"kv_cache: the plan's kv_indptr reaches row {self.kv_tokens}, the cache has {call.cache_rows}")
         launch = Launch(call, causal=self.causal, num_splits=self.num_splits, total_kv=self.kv_tokens,
                         overrides=self._overrides)
-        if launch.fused and self._ws.semaphores is None:  # Q read in another form than planned: a fused variant
+        if launch.semaphore_count and self._ws.semaphores is None:  # Q read in another form than planned
             self._ws = self._ws._replace(semaphores=self._semaphores())
         return launch
 
@@ -231,18 +231,20 @@ def plan(
     table = _plan_page_table(page_size, page_table, kv_indices, kv_page_indptr, kv_lens, device)
     overrides = tuple(sorted(config_overrides.items())) if config_overrides else ()
     causal = bool(causal)
-    fused = False
+    with_semaphores = False
     if total_q and batch:
         # The one-shot op's selection, with the exact token count; builds (or loads) the kernels now, not in the
         # first run.
         selected = kernels(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_q, sum(kv_lens),
                            num_splits, overrides)
-        num_splits, fused = selected.num_splits, selected.fused
+        num_splits = selected.num_splits
+        # Families whose last CTA merges count splits on semaphores (not the grid-barrier merge: none per seq).
+        with_semaphores = selected.fused and getattr(selected.decode_cfg, "semaphores_per_seq", 1) > 0
     return DecodePlan(
         spec=spec, device=device, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
         sm_scale=sm_scale, page_size=page_size, kv_lens=kv_lens, total_q=total_q, num_splits=num_splits or 1,
         qo_indptr=_device_offsets(qo_indptr, qo, device), kv_indptr=_device_offsets(kv_indptr, kvp, device),
-        page_table=table, overrides=overrides, fused=fused,
+        page_table=table, overrides=overrides, with_semaphores=with_semaphores,
     )
 
 

@@ -23,14 +23,14 @@ COMBINE_TILES_PER_SPLIT = 0.1  # the combine reads every split's partial output:
 # launch, only the reading. Tuned on the H200 (docs/perf.md, run 14).
 WS_COMBINE_OVERHEAD_TILES = 0.5
 WS_COMBINE_TILES_PER_SPLIT = 0.25
-# Hopper's 16/32/64-row kernel can merge its splits the same way (``fused_combine``: one launch per call instead
-# of decode + combine, ~4-8 us less host time per call on the H200 host). Opt-in, not the default: its merge runs in
-# one CTA per (sequence, head group), and one SM keeps too few requests in flight to read every split's partial as
-# fast as the combine kernel's 64+ CTAs do. On the H200 (docs/perf.md, runs 17-18), 4 x 1024 bf16 at 16 splits:
-# 21.9 us per call against 12.4 for decode + combine (run 17's merge: 32-34 us); ~1 us per two splits plus ~3 us
-# fixed, more GPU time than the host saves. When fused, the split model takes the warp-specialised kernel's merge
-# costs. gfx942 always uses the combine kernel.
-FUSED_COMBINE_ON_CUDA = False
+# Hopper's 16/32/64-row kernel can merge its splits itself (``fused_combine``: one launch per call instead of decode
+# + combine, ~4-8 us less host time per call on the H200 host): the CTAs write their partials, meet at a grid-wide
+# barrier, and each merges a share of its (sequence, head group)'s output. The barrier needs every CTA resident at
+# once (the launch is cooperative), so the op picks this form only for grids of at most one CTA per SM
+# (``fused_fits``): the small problems, where the host's launch time shows. Larger grids keep decode + combine.
+# (Run 18's fused merge, by the last CTA of each group alone, cost more GPU time than the launch saves.)
+# gfx942 always uses the combine kernel.
+FUSED_COMBINE_ON_CUDA = True
 # Depth of the warp-specialised kernel's 16-bit ring: two 72 KiB stages, one CTA per SM (a third stage never helped
 # bf16, docs/perf.md run 14; the fp8 / mxfp4 decoders hold exactly two tiles in registers).
 WS_STAGES = 2
@@ -95,7 +95,6 @@ def decode_config(
             # measured.
             row_table_scope="shared.dyn" if spec.is_hip else "shared",
             fp8_dtype=spec.fp8_tl_dtype,
-            fused_combine=split and FUSED_COMBINE_ON_CUDA,
         )
         cfg = dataclasses.replace(cfg, **overrides)
         if cfg.shared_bytes <= spec.smem_bytes:
@@ -141,13 +140,16 @@ def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int,
     """``choose_num_splits`` with the occupancy of ``cfg`` on ``spec`` and the merge it has (the combine kernel, or
     the fused merge): what the op uses when not told."""
     merge = {}
-    if cfg.fused_combine:
-        merge = dict(combine_overhead=WS_COMBINE_OVERHEAD_TILES, combine_per_split=WS_COMBINE_TILES_PER_SPLIT)
+    occupancy = ctas_per_sm(spec, cfg)
+    if cfg.fused_combine:  # forced (tuning): one CTA per SM at most (``fused_fits``)
+        occupancy = 1
+        merge = dict(combine_overhead=WS_COMBINE_OVERHEAD_TILES, combine_per_split=WS_COMBINE_TILES_PER_SPLIT,
+                     max_splits=max(1, min(MAX_SPLITS, spec.num_sms // max(1, batch * (cfg.num_heads // cfg.block_h)))))
     return choose_num_splits(
         batch=batch,
         total_kv=total_kv,
         num_sms=spec.num_sms,
-        ctas_per_sm=ctas_per_sm(spec, cfg),
+        ctas_per_sm=occupancy,
         block_n=cfg.block_n,
         head_groups=cfg.num_heads // cfg.block_h,
         **merge,
@@ -236,11 +238,27 @@ def select_kernels(
     split_cfg = decode_config(spec, split=True, **problem)
     if num_splits is None:
         num_splits = default_num_splits(spec, split_cfg, batch=batch, total_kv=total_kv)
+    fits = fused_fits(spec, split_cfg, batch=batch, num_splits=num_splits)
+    if split_cfg.fused_combine and not fits:
+        raise ValueError(f"config_overrides: fused_combine needs a grid of at most {spec.num_sms} CTAs (one per SM; "
+                         f"the launch is cooperative), got batch {batch} x {split_cfg.num_heads // split_cfg.block_h} "
+                         f"head groups x {num_splits} splits")
+    if "fused_combine" not in overrides and FUSED_COMBINE_ON_CUDA and num_splits > 1 and fits:
+        split_cfg = dataclasses.replace(split_cfg, fused_combine=True)
     if split_cfg.fused_combine:  # one kernel for every split count: it writes the output itself
         return split_cfg, None, num_splits
     if num_splits == 1:
         return decode_config(spec, split=False, **problem), None, 1
     return split_cfg, combine_config(spec, num_heads=num_heads), num_splits
+
+
+def fused_fits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int, num_splits: int) -> bool:
+    """Whether the fused-merge decode kernel (``fused_combine``) may run this grid: a CUDA target (its grid-wide
+    barrier is a cooperative launch there) and at most one CTA per SM, so every CTA is resident whatever else the
+    kernel's registers and shared memory allow."""
+    if spec.is_hip or cfg.dim_split:
+        return False
+    return batch * (cfg.num_heads // cfg.block_h) * num_splits <= spec.num_sms
 
 
 def combine_config(spec: TargetSpec, *, num_heads: int = 16) -> CombineKernelConfig:
@@ -290,19 +308,21 @@ MODES = constants.MODES
 
 def decode_variants(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, q_tile: int, causal: bool,
                     page_size: int = 0) -> list:
-    """The 16/32/64-row family's kernels ``select_kernels`` may pick for one problem class: the decode kernel with
-    its merge fused, or the split and the direct decode kernels and the combine kernel."""
+    """The 16/32/64-row family's kernels ``select_kernels`` may pick for one problem class: the split and the
+    direct decode kernels and the combine kernel, and on CUDA (``FUSED_COMBINE_ON_CUDA``) the decode kernel with its
+    merge fused, for grids that fit the GPU at once."""
     problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal,
                    page_size=page_size)
     split_cfg = decode_config(spec, split=True, **problem)
-    if split_cfg.fused_combine:
-        return [split_cfg]
-    return [split_cfg, decode_config(spec, split=False, **problem), combine_config(spec, num_heads=num_heads)]
+    variants = [split_cfg, decode_config(spec, split=False, **problem), combine_config(spec, num_heads=num_heads)]
+    if FUSED_COMBINE_ON_CUDA and fused_fits(spec, split_cfg, batch=1, num_splits=2):
+        variants.append(dataclasses.replace(split_cfg, fused_combine=True))
+    return variants
 
 
 def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:
-    """Every kernel the op may launch for one problem class: each mode's split and direct decode kernels and the
-    combine kernel, or, where the merge is fused by default (``FUSED_COMBINE_ON_CUDA``), its fused decode kernel; on
+    """Every kernel the op may launch for one problem class: each mode's split and direct decode kernels, the
+    combine kernel and, on CUDA (``FUSED_COMBINE_ON_CUDA``), the decode kernel with its merge fused; on
     Hopper's 16-row class also the warp-specialised kernel of WS_FORMATS. Used to pre-build (bench.py without a GPU)
     and to test that all of them compile."""
     variants = []

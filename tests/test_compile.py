@@ -9,7 +9,7 @@ import pytest
 
 from mla import jit, schedule
 from mla.target import spec_for_name
-from tl_kernels.mla_decode import DecodeKernelConfig, mla_decode_kernel
+from tl_kernels.mla_decode import DecodeKernelConfig
 
 H200 = spec_for_name("sm_90a")
 VARIANTS = schedule.kernel_variants(H200) + [
@@ -17,8 +17,7 @@ VARIANTS = schedule.kernel_variants(H200) + [
     schedule.decode_config(H200, kv_format="bf16", q_tile=2, causal=True),
     # Paged cache (16 tokens per page), compressed format.
     schedule.decode_config(H200, kv_format="mxfp4", page_size=16),
-    # The opt-in fused split merge (one launch per call), flat and paged.
-    schedule.decode_config(H200, kv_format="fp8", fused_combine=True),
+    # The fused split merge (one launch per call; kernel_variants has the flat 16-head ones), paged with MTP.
     schedule.decode_config(H200, kv_format="bf16", q_tile=2, causal=True, page_size=64, fused_combine=True),
 ]
 
@@ -44,9 +43,8 @@ FUSED_VARIANTS = [cfg for cfg in VARIANTS if isinstance(cfg, DecodeKernelConfig)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot compile CUDA here")
 @pytest.mark.parametrize("cfg", FUSED_VARIANTS, ids=[cfg.name for cfg in FUSED_VARIANTS])
 def test_fused_merge_reads_whole_chunks_unguarded(cfg):
-    """The fused merge is bound by the requests one SM keeps in flight (docs/perf.md, run 18): it reads the other
-    CTAs' partials as 16-byte chunks (``mla_merge_load4``), and no bounds branch of TileLang's sits around them (a
-    branch per load serialises the loads)."""
+    """The fused merge reads the other CTAs' partials as 16-byte chunks (``mla_merge_load4``), and no bounds branch
+    of TileLang's sits around them (a branch per load serialised the loads: docs/perf.md, runs 17-18)."""
     source = jit.get_kernel(cfg, H200).get_kernel_source()
     lines = [line.strip() for line in source.splitlines()]
     calls = [i for i, line in enumerate(lines) if line.startswith("mla_merge_load4(")]
@@ -56,8 +54,12 @@ def test_fused_merge_reads_whole_chunks_unguarded(cfg):
     assert "mla_merge_store4(" in source, f"{cfg.name}: the merge does not write whole chunks"
 
 
-def test_fused_merge_needs_threads_that_cover_whole_rows():
-    """Thread t reads chunk t of a 128-chunk row: the thread count must be a multiple of 128."""
-    cfg = DecodeKernelConfig(kv_format="bf16", num_heads=16, block_h=16, threads=64, fused_combine=True)
-    with pytest.raises(ValueError, match="fused_combine"):
-        mla_decode_kernel(cfg)
+@pytest.mark.parametrize("cfg", FUSED_VARIANTS[:1], ids=[cfg.name for cfg in FUSED_VARIANTS[:1]])
+def test_fused_merge_waits_at_a_grid_barrier_under_a_cooperative_launch(cfg):
+    """The CTAs of a (sequence, head group) merge each other's partials after a grid-wide barrier: the barrier is
+    in the kernel, and the kernel carries the attribute that makes its launch cooperative (every CTA resident, or
+    the launch fails; a plain launch of a grid larger than the GPU would hang at the barrier)."""
+    artifact = jit.lower(cfg, H200)
+    assert "this_grid().sync()" in artifact.kernel_source
+    attrs = [func.attrs for func in artifact.device_mod.functions.values() if func.attrs is not None]
+    assert any(int(a.get("use_cooperative_groups", 0)) == 1 for a in attrs), "the launch would not be cooperative"

@@ -108,14 +108,15 @@ def test_split_counts_agree(num_splits):
     assert torch.isinf(lse[-1]).all() and (lse[-1] < 0).all(), "empty sequence: LSE must be -inf"
 
 
-# The opt-in fused split merge of the sm_90a decode kernel (``fused_combine``: one launch, no combine kernel;
-# schedule.FUSED_COMBINE_ON_CUDA says why it is not the default). Its variants build in the test (not prebuilt).
+# The fused split merge of the sm_90a decode kernel (``fused_combine``: one cooperative launch, no combine kernel;
+# the default for grids of at most one CTA per SM, schedule.fused_fits), forced here for any split count. Its
+# variants build in the test (not prebuilt) where the default schedule does not pick them.
 FUSED = {"fused_combine": True}
 
 
 def run_fused_twice(mode, data, flat_data, num_splits, causal=False, **kwargs):
-    """Two calls on the same semaphores (the merge must leave them at zero), outputs poisoned before each, both
-    against the fp32 reference."""
+    """Two calls (the grid barrier must work again), outputs poisoned before each, both against the fp32
+    reference."""
     ref_out, ref_lse = harness_reference(flat_data, mode, causal=causal)
     heads = ref_out.shape[1]
     for _ in range(2):
@@ -139,9 +140,10 @@ def test_fused_merge_any_split_count(mode, num_splits):
     run_fused_twice(mode, data, data, num_splits)
 
 
-@pytest.mark.parametrize("heads,q_len,page_size,num_splits", [(64, 1, 0, 5), (16, 2, 64, 4), (128, 3, 16, 9)])
+@pytest.mark.parametrize("heads,q_len,page_size,num_splits", [(64, 1, 0, 5), (16, 2, 64, 4), (128, 3, 16, 4)])
 def test_fused_merge_heads_queries_pages(heads, q_len, page_size, num_splits):
-    """Head groups (64 / 128 heads), query passes (MTP, causal) and paged caches through the fused merge."""
+    """Head groups (64 / 128 heads: 128 x 4 queries is 8 groups of 16 heads, 128 CTAs here), query passes (MTP,
+    causal) and paged caches through the fused merge."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fused_combine is an sm_90a variant")
     data = make_ragged_inputs([5, 700, 2049, 130], q_len, num_heads=heads, seed=heads + q_len)
@@ -150,6 +152,14 @@ def test_fused_merge_heads_queries_pages(heads, q_len, page_size, num_splits):
         caches, table = to_paged(data, page_size, seed=3)
         run_data, extra = (data[0], caches, *data[2:]), {"page_table": table}
     run_fused_twice("bf16", run_data, data, num_splits, causal=q_len > 1, **extra)
+
+
+def test_fused_merge_refuses_a_grid_larger_than_the_gpu():
+    """The cooperative launch needs every CTA resident: a forced fused merge over more CTAs than SMs is refused
+    before any launch (not a launch error, and never a hang at the barrier)."""
+    data = make_ragged_inputs([300] * 10, seed=5)
+    with pytest.raises(ValueError, match="fused_combine"):
+        run_mode("bf16", data, num_splits=14, config_overrides=FUSED)
 
 
 @launches(lambda mode, **_: [(mode, 16, 1, False)])

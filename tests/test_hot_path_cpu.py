@@ -330,3 +330,27 @@ def test_no_module_level_import_cycle():
     launch_src = (root / "launch.py").read_text()
     for name in ("mla.decode", "mla.harness", "mla.ops", "mla.plan", "mla.flash_mla"):
         assert f"from {name} " not in launch_src and f"import {name}" not in launch_src
+
+
+@pytest.mark.parametrize("entry", ["eager", "plan"])
+def test_the_grid_barrier_merge_is_one_launch_without_semaphores(no_kernels, entry):
+    """Hopper's default for a split grid that fits the GPU (3 sequences x 3 splits): the real schedule picks the
+    decode kernel with its merge fused behind a grid barrier, launched once with the flat partials and no
+    semaphores (it counts nothing), and a plan allocates none."""
+    q, kv, qo, kvp = flat_inputs([5, 40, 17])
+    out = torch.full((3, 16, 512), math.nan, dtype=torch.bfloat16)
+    if entry == "eager":
+        mla_decode(q, kv, qo, kvp, num_splits=3, out=out)
+    else:
+        p = plan(qo, kvp, num_heads=16, kv_format="bf16", num_splits=3, device="cpu")
+        p.run(q, kv, out=out)
+        assert p._ws.semaphores is None
+    ((name, args),) = launched(no_kernels)
+    (cfg,) = no_kernels
+    assert cfg.fused_combine and cfg.semaphores_per_seq == 0 and name.endswith("_fused_fn")
+    assert len(args) == 14, "Q..sm_scale, num_splits, o_partial, lse_partial, out, lse"
+    splits, o_partial, lse_partial, a_out = args[9:13]
+    assert splits == 3 and o_partial.numel() == 3 * 3 * 16 * 512 and lse_partial.numel() == 3 * 3 * 16
+    assert a_out is out
+    assert not any(isinstance(a, torch.Tensor) and a.dtype == torch.int32 and a.dim() == 1 and a.numel() >= 1 << 16
+                   for a in args), "no semaphore buffer"

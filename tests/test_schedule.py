@@ -57,3 +57,57 @@ def test_op_layer_dims_match_the_kernels():
     )
     assert {q for _, q in constants.MODES.values()} <= set(mla_decode.Q_FORMATS)
     assert {kv for kv, _ in constants.MODES.values()} == set(mla_decode.KV_FORMATS)
+
+
+# --- the fused split merge (one cooperative launch; Hopper) ---------------------------------------------------------
+
+
+def select(spec, batch, kv_len, *, kv_format="bf16", num_heads=16, q_len=1, **kw):
+    return schedule.select_kernels(spec, kv_format=kv_format, q_format="bf16", num_heads=num_heads, causal=False,
+                                   page_size=0, batch=batch, total_q=batch * q_len, total_kv=batch * kv_len, **kw)
+
+
+def grid(cfg, batch, num_splits):
+    return batch * (cfg.num_heads // cfg.block_h) * num_splits
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("batch,kv_len,num_heads,q_len", [(1, 1024, 16, 1), (4, 1024, 16, 1), (4, 8192, 16, 1),
+                                                          (8, 1024, 128, 1), (2, 4096, 16, 4)])
+def test_small_split_grids_merge_inside_the_decode_kernel(kv_format, batch, kv_len, num_heads, q_len):
+    """Where the split grid fits the GPU at once (at most one CTA per SM), Hopper runs one launch: the decode
+    kernel merges its splits after a grid barrier, no combine kernel."""
+    cfg, combine, num_splits = select(H200, batch, kv_len, kv_format=kv_format, num_heads=num_heads, q_len=q_len)
+    assert num_splits > 1 and cfg.fused_combine and combine is None
+    assert grid(cfg, batch, num_splits) <= H200.num_sms
+
+
+@pytest.mark.parametrize("batch,kv_len", [(32, 1024), (64, 8192), (16, 1024)])
+def test_large_split_grids_keep_the_combine_kernel(batch, kv_len):
+    cfg, combine, num_splits = select(H200, batch, kv_len)
+    assert num_splits > 1 and grid(cfg, batch, num_splits) > H200.num_sms
+    assert not cfg.fused_combine and combine is not None
+
+
+def test_one_split_runs_the_direct_kernel():
+    cfg, combine, num_splits = select(H200, 256, 8192)
+    assert num_splits == 1 and not cfg.split and combine is None
+
+
+def test_gfx942_never_fuses_the_merge():
+    gfx942 = spec_for_name("gfx942")
+    cfg, combine, num_splits = select(gfx942, 4, 1024)
+    assert num_splits > 1 and not cfg.fused_combine and combine is not None
+    assert not any(getattr(c, "fused_combine", False) for c in schedule.kernel_variants(gfx942))
+    assert any(getattr(c, "fused_combine", False) for c in schedule.kernel_variants(H200))
+
+
+def test_a_forced_fused_merge_splits_within_the_gpu_and_refuses_what_cannot_fit():
+    cfg, _, num_splits = select(H200, 8, 8192, fused_combine=True)
+    assert cfg.fused_combine and 1 < num_splits and grid(cfg, 8, num_splits) <= H200.num_sms
+    with pytest.raises(ValueError, match="fused_combine.*132 CTAs"):
+        select(H200, 10, 1024, num_splits=14, fused_combine=True)
+    with pytest.raises(ValueError, match="fused_combine"):
+        select(H200, 200, 1024, fused_combine=True)  # more sequences than SMs: not even one split fits
+    cfg, combine, _ = select(H200, 4, 1024, fused_combine=False)  # the two-kernel form, forced
+    assert not cfg.fused_combine and combine is not None

@@ -11,8 +11,9 @@ Each CTA owns one (sequence, KV split, head group). Its stages:
   6. write the final bf16 output (``split=False``) or an fp32 partial output plus its base-2 log-sum-exp,
      which ``tl_kernels.mla_combine`` reduces over splits;
   7. ``fused_combine`` (Hopper): the split count is an argument; one split writes the output as in 6, several
-     write their partials, count themselves on a per-(sequence, head group) semaphore, and the CTA that counts
-     last merges the partials by LSE into the output and resets the semaphore: one launch per call.
+     write their partials, wait at a grid-wide barrier, then each CTA of a (sequence, head group) merges its share
+     of the group's output by LSE: one launch per call. The launch is cooperative (every CTA resident), so the
+     grid must fit the GPU at once: ``mla.schedule`` picks this form only for grids of at most one CTA per SM.
 
 Only what changes the generated code is static (``DecodeKernelConfig``); batch size, token counts, sequence
 lengths and the number of splits are dynamic, so a new shape never recompiles.
@@ -29,15 +30,13 @@ QK_DIM = KV_LORA_RANK + ROPE_DIM  # 576
 MXFP4_BLOCK = 32  # elements per e8m0 scale
 MXFP4_SCALES_PER_TOKEN = QK_DIM // MXFP4_BLOCK  # 18
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
-MERGE_CHUNK = 16  # fused_combine: split weights computed per chunk of this many splits (shared memory)
-MERGE_GROUP = 16  # fused_combine: float4 chunks per thread whose loads (two splits' worth) are issued together
-# fused_combine: the merging CTA reads other CTAs' partials through L2 (ld.global.cg: never a stale L1 line), by
-# address, so TileLang's bounds legalisation puts no branch around each load (the rows are clamped instead; with a
-# branch per load the merge was 2-3x slower, docs/perf.md run 17). The merge is bound by the requests one SM can
-# keep in flight, so its loads are coalesced 16-byte chunks: thread t reads chunk t of a row (a warp 512 contiguous
-# bytes), two splits per step with all their loads issued before the first add (run 18: a contiguous run per thread,
-# i.e. a 256-byte stride across a warp, cost ~2 us per step of two splits at 4 x 1024; run 17's element-wise merge in
-# the MMA layout ~1-2 us per split).
+MERGE_SPLITS = 8  # fused_combine: splits whose partial chunks one thread loads together before adding them
+# fused_combine: a CTA reads other CTAs' partials through L2 (ld.global.cg: never a stale L1 line), by address, so
+# TileLang's bounds legalisation puts no branch around each load (the rows are clamped instead; with a branch per
+# load the merge was 2-3x slower, docs/perf.md run 17). Loads are coalesced 16-byte chunks (a warp reads 512
+# contiguous bytes). The merge is spread over all the splits' CTAs after a grid-wide barrier (run 19): merged by the
+# last CTA of each (sequence, head group) instead, one SM read every split's 32 KiB partial and the merge cost ~1 us
+# per two splits plus ~3 us (run 18), more than the second launch it saves.
 MERGE_CUDA_SOURCE = """
 #include <cuda_bf16.h>
 __device__ __forceinline__ float mla_merge_load(const float* p) { return __ldcg(p); }
@@ -133,7 +132,7 @@ class DecodeKernelConfig:
     # tile: each owns 64 of the 512 latent dims for Q K^T and P V, hand-placed MFMA operands, prefetched tiles)
     fp8_mfma: bool = False  # dim_split a8w8: Q K^T on the fp8 MFMA (e4m3fnuz operands straight from the cache)
     fused_combine: bool = False  # Hopper: the split count is an argument and the split merge runs inside the
-    # kernel (the last CTA of a (sequence, head group) to finish merges; one launch per call, any split count)
+    # kernel after a grid-wide barrier (one cooperative launch per call; the grid must fit the GPU at once)
 
     def __post_init__(self):
         if self.kv_format not in KV_FORMATS:
@@ -152,6 +151,11 @@ class DecodeKernelConfig:
     @property
     def block_m(self) -> int:
         return self.q_tile * self.block_h
+
+    @property
+    def semaphores_per_seq(self) -> int:
+        """Split counters the launch passes per sequence: none (the fused merge waits at a grid-wide barrier)."""
+        return 0
 
     @property
     def shared_bytes(self) -> int:
@@ -212,8 +216,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
       split=False: Out (total_q, num_heads, 512) bf16, LSE (total_q, num_heads) fp32 (natural log)
       fused_combine: num_splits int32, O_partial (o_len,) fp32 and LSE_partial (l_len,) fp32 (the split=True
                    partials flattened, >= num_splits * total_q * num_heads * 512 / * 1 elements when num_splits
-                   > 1, else unused), Semaphores (sem_len,) int32 (>= batch * num_heads / block_h, zero before the
-                   call and left zero), then Out and LSE as split=False
+                   > 1, else unused), then Out and LSE as split=False
     """
     heads = cfg.num_heads
     block_h, block_n, block_m, q_tile = cfg.block_h, cfg.block_n, cfg.block_m, cfg.q_tile
@@ -287,17 +290,6 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         """Flat (split, query row, head) index of the fused kernel's partials (the split=True layout)."""
         return (split_id * total_q + q_row) * heads + head
 
-    def merge_row(sp, q_pass, r, q_begin, q_len, hg, rows):
-        """The partial row the merge reads for split sp, query pass q_pass, row r, clamped into a buffer of ``rows``
-        rows: rows past the sequence's queries read its last query's partials (never written out), and no read
-        leaves the buffer (``merge_load`` reads by address, unchecked)."""
-        at = partial_row(sp, q_begin + T.min(q_pass * q_tile + r // block_h, q_len - 1), hg * block_h + r % block_h)
-        return T.max(T.min(at, rows - 1), 0)
-
-    def partial_elem(sp, q_pass, r, q_begin, q_len, hg, rows, d):
-        """Element d of the partial row ``merge_row`` gives (rows of 512 dims)."""
-        return merge_row(sp, q_pass, r, q_begin, q_len, hg, rows) * KV_LORA_RANK + d
-
     def merge_load(buf, index):
         """buf[index] of a partial buffer, read by address through L2 (``MERGE_CUDA_SOURCE``)."""
         return T.call_extern(accum_dtype, "mla_merge_load", buf.access_ptr("r", offset=index))
@@ -337,112 +329,70 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 else:
                     LSE_partial[split_id, q_begin + qi, hg * block_h + r % block_h] = lse2
 
-    # fused_combine's merge: a partial row is 128 chunks of 4 dims; chunk c of row r (c + 128 r = i * threads + tx
-    # for i < merge_chunks) is thread tx's i-th, so a warp reads 512 contiguous bytes per chunk.
+    # fused_combine's merge: the output of a (sequence, head group) is q_len * block_h rows of 128 chunks of 4 dims;
+    # its num_splits CTAs take equal contiguous ranges of those chunks, one chunk per thread per step, so a warp
+    # reads 512 contiguous bytes of each split's partial.
     row_chunks = KV_LORA_RANK // 4
-    merge_chunks = block_m * row_chunks // cfg.threads
-    merge_group = min(merge_chunks, MERGE_GROUP)
-    if fused and (cfg.threads % row_chunks or merge_chunks % merge_group):
-        raise ValueError(f"fused_combine: {cfg.threads} threads cannot share {block_m} rows of {KV_LORA_RANK} dims")
-
-    def merge_chunk(i, tx):
-        """(row, first dim) of thread tx's i-th chunk."""
-        at = i * cfg.threads + tx
-        return at // row_chunks, at % row_chunks * 4
 
     @T.macro
-    def merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, row_max, Merge_scale, Merge_max,
-                     merge_acc, merge_stage, merge_denom, last_flag, tx, q_begin, q_len, seq_id, hg):
-        # Fused combine: publish this split's partials, count the split on the (sequence, head group) semaphore;
-        # the CTA that counts last merges every split by LSE into the output (the combine kernel's work) and
-        # resets the semaphore for the next call. The LSEs and the splits' weights are computed MERGE_CHUNK
-        # splits at a time in shared memory (one load per thread); then each thread adds its chunks of every
-        # split's partial rows, two splits per step, and writes its chunks of the output.
-        T.call_extern("handle", "__threadfence")
-        T.sync_threads()
-        if tx == 0:
-            last_flag[0] = T.atomic_add(Semaphores[seq_id * head_groups + hg], 1, memory_order="acq_rel",
-                                        return_prev=True)
-        T.sync_threads()
-        o_len, l_len = O_partial.shape[0], LSE_partial.shape[0]
-        o_rows = o_len // KV_LORA_RANK
-        if last_flag[0] == n_splits - 1:
-            T.call_extern("handle", "__threadfence")
-            for q_pass in T.serial(T.ceildiv(q_len, q_tile)):
-                # The max LSE per row: each chunk's LSEs loaded together into shared memory, then reduced there.
-                for r in T.Parallel(block_m):
-                    row_max[r] = -T.infinity(accum_dtype)
-                for chunk in T.serial(T.ceildiv(n_splits, MERGE_CHUNK)):
-                    for c, r in T.Parallel(MERGE_CHUNK, block_m):
-                        sp = chunk * MERGE_CHUNK + c
-                        at = (q_pass, r, q_begin, q_len, hg, l_len)
-                        lse2 = merge_load(LSE_partial, merge_row(T.min(sp, n_splits - 1), *at))
-                        Merge_scale[c, r] = T.if_then_else(sp < n_splits, lse2, -T.infinity(accum_dtype))
-                    for r in T.Parallel(block_m):
-                        for c in T.serial(MERGE_CHUNK):
-                            row_max[r] = T.max(row_max[r], Merge_scale[c, r])
-                for r in T.Parallel(block_m):
-                    Merge_max[r] = row_max[r]
-                for i in T.unroll(merge_chunks * 4):
-                    merge_acc[i] = 0
-                for i in T.unroll(merge_chunks):
-                    merge_denom[i] = 0
-                for chunk in T.serial(T.ceildiv(n_splits, MERGE_CHUNK)):
-                    # The chunk's weights 2^(lse - max) (0 past the last split, or for a row that saw nothing).
-                    T.sync_threads()
-                    for c, r in T.Parallel(MERGE_CHUNK, block_m):
-                        sp = chunk * MERGE_CHUNK + c
-                        at = (q_pass, r, q_begin, q_len, hg, l_len)
-                        lse2 = merge_load(LSE_partial, merge_row(T.min(sp, n_splits - 1), *at))
-                        Merge_scale[c, r] = T.if_then_else(
-                            sp < n_splits and Merge_max[r] != -T.infinity(accum_dtype), T.exp2(lse2 - Merge_max[r]), 0
-                        )
-                    T.sync_threads()
-                    # Two splits per step (a split past the last reads the last one's rows, with weight 0): a group
-                    # of chunks' loads for both, then their adds.
-                    for pair in T.serial(T.ceildiv(T.min(MERGE_CHUNK, n_splits - chunk * MERGE_CHUNK), 2)):
-                        first = chunk * MERGE_CHUNK + pair * 2
-                        for group in T.unroll(merge_chunks // merge_group):
-                            for g in T.unroll(merge_group):
-                                r, d = merge_chunk(group * merge_group + g, tx)
-                                at = (q_pass, r, q_begin, q_len, hg, o_rows)
-                                for half in T.unroll(2):
-                                    sp = T.min(first + half, n_splits - 1)
-                                    T.call_extern("handle", "mla_merge_load4",
-                                                  merge_stage.access_ptr("w", offset=(half * merge_group + g) * 4),
-                                                  O_partial.access_ptr("r", offset=partial_elem(sp, *at, d)))
-                            for g in T.unroll(merge_group):
-                                i = group * merge_group + g
-                                r, _ = merge_chunk(i, tx)
-                                w0, w1 = Merge_scale[pair * 2, r], Merge_scale[pair * 2 + 1, r]
-                                merge_denom[i] += w0 + w1
-                                for j in T.unroll(4):
-                                    merge_acc[i * 4 + j] += (w0 * merge_stage[g * 4 + j]
-                                                             + w1 * merge_stage[(merge_group + g) * 4 + j])
-                # This thread's chunks of the output (0 where nothing was seen), and the rows' natural-log LSE.
-                for i in T.unroll(merge_chunks):
-                    r, d = merge_chunk(i, tx)
-                    qi = q_pass * q_tile + r // block_h
-                    if qi < q_len:
-                        head = hg * block_h + r % block_h
-                        T.call_extern(
-                            "handle", "mla_merge_store4",
-                            Out.access_ptr("w", offset=((q_begin + qi) * heads + head) * KV_LORA_RANK + d),
-                            merge_acc.access_ptr("r", offset=i * 4),
-                            T.if_then_else(merge_denom[i] > 0, 1.0 / merge_denom[i], 0),
-                        )
-                        if d == 0:
-                            LSE[q_begin + qi, head] = T.if_then_else(
-                                merge_denom[i] > 0, (T.log2(merge_denom[i]) + Merge_max[r]) * ln2,
-                                -T.infinity(accum_dtype),
-                            )
-                T.sync_threads()  # Merge_max / Merge_scale are rewritten by the next pass
-            if tx == 0:
-                Semaphores[seq_id * head_groups + hg] = 0
+    def merge_splits(O_partial, LSE_partial, Out, LSE, n_splits, merge_acc, merge_lse, merge_stage, merge_max,
+                     merge_denom, tx, q_begin, q_len, split_id, hg):
+        # Stage 7 (fused_combine): every CTA has written its split's partial; after the grid-wide barrier (the
+        # kernel is launched cooperatively, so every CTA is resident and the barrier cannot wait on one that never
+        # starts) each CTA merges its share of its (sequence, head group)'s output: for each of its chunks, the
+        # splits' partials weighted by 2^(lse - max), MERGE_SPLITS splits per step with all their loads issued first
+        # and the running max rescaled per step.
+        T.sync_grid()
+        total = q_len * block_h * row_chunks
+        per_cta = T.ceildiv(total, n_splits)
+        lo = split_id * per_cta
+        hi = T.min(lo + per_cta, total)
+        for step in T.serial(T.ceildiv(T.max(hi - lo, 0), cfg.threads)):
+            at = lo + step * cfg.threads + tx
+            if at < hi:
+                row, d = at // row_chunks, at % row_chunks * 4
+                q_row, head = q_begin + row // block_h, hg * block_h + row % block_h
+                merge_max[0] = -T.infinity(accum_dtype)
+                merge_denom[0] = 0
+                for j in T.unroll(4):
+                    merge_acc[j] = 0
+                for group in T.serial(T.ceildiv(n_splits, MERGE_SPLITS)):
+                    # The group's loads (a split past the last reads the last one's rows, with weight 0).
+                    for g in T.unroll(MERGE_SPLITS):
+                        sp = group * MERGE_SPLITS + g
+                        prow = partial_row(T.min(sp, n_splits - 1), q_row, head)
+                        merge_lse[g] = T.if_then_else(sp < n_splits, merge_load(LSE_partial, prow),
+                                                      -T.infinity(accum_dtype))
+                        T.call_extern("handle", "mla_merge_load4", merge_stage.access_ptr("w", offset=g * 4),
+                                      O_partial.access_ptr("r", offset=prow * KV_LORA_RANK + d))
+                    merge_max[1] = merge_max[0]
+                    for g in T.unroll(MERGE_SPLITS):
+                        merge_max[1] = T.max(merge_max[1], merge_lse[g])
+                    # Nothing seen so far (all LSEs -inf): keep the zeros, so no (-inf) - (-inf).
+                    if merge_max[1] != -T.infinity(accum_dtype):
+                        rescale = T.exp2(merge_max[0] - merge_max[1])
+                        merge_denom[0] = merge_denom[0] * rescale
+                        for j in T.unroll(4):
+                            merge_acc[j] = merge_acc[j] * rescale
+                        for g in T.unroll(MERGE_SPLITS):
+                            weight = T.exp2(merge_lse[g] - merge_max[1])
+                            merge_denom[0] = merge_denom[0] + weight
+                            for j in T.unroll(4):
+                                merge_acc[j] = merge_acc[j] + weight * merge_stage[g * 4 + j]
+                        merge_max[0] = merge_max[1]
+                # The chunk of the output (0 where nothing was seen) and, once per row, its natural-log LSE.
+                T.call_extern("handle", "mla_merge_store4",
+                              Out.access_ptr("w", offset=(q_row * heads + head) * KV_LORA_RANK + d),
+                              merge_acc.access_ptr("r", offset=0),
+                              T.if_then_else(merge_denom[0] > 0, 1.0 / merge_denom[0], 0))
+                if d == 0:
+                    LSE[q_row, head] = T.if_then_else(
+                        merge_denom[0] > 0, (T.log2(merge_denom[0]) + merge_max[0]) * ln2, -T.infinity(accum_dtype)
+                    )
 
     @T.macro
     def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
-                    n_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
+                    n_splits, O_partial, LSE_partial, Out, LSE):
         with T.Kernel(n_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
             Q_shared = T.alloc_shared([block_m, KV_LORA_RANK], compute_dtype)
             Qpe_shared = T.alloc_shared([block_m, ROPE_DIM], compute_dtype)
@@ -469,12 +419,11 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             denom = T.alloc_fragment([block_m], accum_dtype)
             if fused:
                 T.import_source(MERGE_CUDA_SOURCE)
-                last_flag = T.alloc_shared([1], "int32")  # the semaphore's count before this CTA's
-                Merge_scale = T.alloc_shared([MERGE_CHUNK, block_m], accum_dtype)  # the merge's split weights
-                Merge_max = T.alloc_shared([block_m], accum_dtype)  # the merge's max LSE per row
-                merge_acc = T.alloc_local([merge_chunks * 4], accum_dtype)  # this thread's chunks of the merge
-                merge_stage = T.alloc_local([2 * merge_group * 4], accum_dtype)  # a group's loads, both splits
-                merge_denom = T.alloc_local([merge_chunks], accum_dtype)  # each chunk's row's sum of weights
+                merge_acc = T.alloc_local([4], accum_dtype)  # the merged chunk (weighted sum)
+                merge_lse = T.alloc_local([MERGE_SPLITS], accum_dtype)  # a step's splits' LSEs
+                merge_stage = T.alloc_local([MERGE_SPLITS * 4], accum_dtype)  # a step's splits' partial chunks
+                merge_max = T.alloc_local([2], accum_dtype)  # running max LSE of the chunk's row; a step's max
+                merge_denom = T.alloc_local([1], accum_dtype)  # running sum of weights
                 tx = T.get_thread_binding()
 
             # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
@@ -613,12 +562,11 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 else:
                     write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
 
-            # Stage 7 (fused_combine, several splits): the last split of the (sequence, head group) merges them.
+            # Stage 7 (fused_combine, several splits; n_splits is the same in every CTA, so all reach the barrier).
             if fused:
                 if n_splits > 1:
-                    merge_splits(O_partial, LSE_partial, Semaphores, Out, LSE, n_splits, row_max, Merge_scale,
-                                 Merge_max, merge_acc, merge_stage, merge_denom, last_flag, tx, q_begin, q_len,
-                                 seq_id, hg)
+                    merge_splits(O_partial, LSE_partial, Out, LSE, n_splits, merge_acc, merge_lse, merge_stage,
+                                 merge_max, merge_denom, tx, q_begin, q_len, split_id, hg)
 
     if cfg.dim_split:
         decode_body = _dim_split_body(
@@ -630,7 +578,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         )
         return _paged_prim_func(cfg, decode_body, q_dtype, kv_dtype, kv_cols, dims)
     if fused:
-        o_len, l_len, sem_len = T.dynamic("o_len"), T.dynamic("l_len"), T.dynamic("sem_len")
+        o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
 
         @T.prim_func
         def mla_decode_fused(
@@ -646,12 +594,11 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             num_splits: T.int32,
             O_partial: T.Tensor([o_len], accum_dtype),
             LSE_partial: T.Tensor([l_len], accum_dtype),
-            Semaphores: T.Tensor([sem_len], "int32"),
             Out: T.Tensor([total_q, heads, KV_LORA_RANK], "bfloat16"),
             LSE: T.Tensor([total_q, heads], accum_dtype),
         ):
             decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale,
-                        num_splits, O_partial, LSE_partial, Semaphores, Out, LSE)
+                        num_splits, O_partial, LSE_partial, Out, LSE)
 
         return mla_decode_fused
     if cfg.split:
@@ -671,7 +618,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             LSE_partial: T.Tensor([num_splits, total_q, heads], accum_dtype),
         ):
             decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale,
-                        num_splits, O_partial, LSE_partial, None, None, None)
+                        num_splits, O_partial, LSE_partial, None, None)
 
         return mla_decode_split
 
@@ -690,7 +637,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         LSE: T.Tensor([total_q, heads], accum_dtype),
     ):
         decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, None, sm_scale, 1, None,
-                    None, None, Out, LSE)
+                    None, Out, LSE)
 
     return mla_decode_direct
 
@@ -705,7 +652,7 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
     batch, max_pages = T.dynamic("batch, max_pages")
 
     if cfg.fused_combine:
-        o_len, l_len, sem_len = T.dynamic("o_len"), T.dynamic("l_len"), T.dynamic("sem_len")
+        o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
 
         @T.prim_func
         def mla_decode_fused_paged(
@@ -722,12 +669,11 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
             num_splits: T.int32,
             O_partial: T.Tensor([o_len], accum_dtype),
             LSE_partial: T.Tensor([l_len], accum_dtype),
-            Semaphores: T.Tensor([sem_len], "int32"),
             Out: T.Tensor([total_q, heads, KV_LORA_RANK], "bfloat16"),
             LSE: T.Tensor([total_q, heads], accum_dtype),
         ):
             decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
-                        num_splits, O_partial, LSE_partial, Semaphores, Out, LSE)
+                        num_splits, O_partial, LSE_partial, Out, LSE)
 
         return mla_decode_fused_paged
 
@@ -749,7 +695,7 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
             LSE_partial: T.Tensor([num_splits, total_q, heads], accum_dtype),
         ):
             decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
-                        num_splits, O_partial, LSE_partial, None, None, None)
+                        num_splits, O_partial, LSE_partial, None, None)
 
         return mla_decode_split_paged
 
@@ -769,7 +715,7 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
         LSE: T.Tensor([total_q, heads], accum_dtype),
     ):
         decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, 1,
-                    None, None, None, Out, LSE)
+                    None, None, Out, LSE)
 
     return mla_decode_direct_paged
 
@@ -1026,7 +972,7 @@ def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
 
     @T.macro
     def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, n_splits,
-             O_partial, LSE_partial, Semaphores, Out, LSE):
+             O_partial, LSE_partial, Out, LSE):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
             T.import_source(_DS_HIP_HELPERS + dequant_hip.HIP_SOURCE)
             VT = T.alloc_shared([DS_WAVES, DS_DIMS, block_n], bf16)  # per wave: V^T of its 64 latent dims

@@ -330,8 +330,8 @@ def idle_per_call_us(fn, calls: int) -> tuple[float, float]:
 def print_idle(args) -> int:
     """Is a call's host time the same with the GPU held by a sleep kernel (``per_call_us``) and with it idle, each
     call's kernels starting at once (``idle_per_call_us``, what bench.py's host table sees)? For torch's own
-    launches, our launchers alone (the arguments one plan.run passed them), plan.run (two kernels, and the fused
-    merge: one), its Python alone and the eager call; then torch.profiler's CPU-side summary of idle plan.run calls
+    launches, our launchers alone (the arguments one plan.run passed them), plan.run (the default, and decode +
+    combine forced), its Python alone and the eager call; then torch.profiler's CPU-side summary of idle plan.run calls
     (the CUDA driver and runtime calls, with their mean durations)."""
     if DEVICE != "cuda":
         print("--idle needs --device cuda")
@@ -354,10 +354,10 @@ def print_idle(args) -> int:
         the_plan = planned.plan
         q, kv, qo, kvp, kwargs, _ = inputs(mode, args.batch, args.kv_len, args.heads, 0)
         run_kwargs = {k: v for k, v in kwargs.items() if k in ("kv_scale", "kv_block_scale")}
-        fused = plan(list(range(args.batch + 1)), [i * args.kv_len for i in range(args.batch + 1)],
-                     num_heads=args.heads, kv_format=kwargs["kv_format"], q_format=kwargs["q_format"], device="cuda",
-                     num_splits=the_plan.num_splits, config_overrides={"fused_combine": True})
-        fns[f"{mode}: plan.run, fused merge (1 launch)"] = lambda _p=fused, _q=q, _kv=kv, _k=run_kwargs: _p.run(
+        two_kernels = plan(list(range(args.batch + 1)), [i * args.kv_len for i in range(args.batch + 1)],
+                           num_heads=args.heads, kv_format=kwargs["kv_format"], q_format=kwargs["q_format"],
+                           device="cuda", num_splits=the_plan.num_splits, config_overrides={"fused_combine": False})
+        fns[f"{mode}: plan.run, decode + combine forced"] = lambda _p=two_kernels, _q=q, _kv=kv, _k=run_kwargs: _p.run(
             _q, _kv, **_k)
         fns[f"{mode}: eager mla_decode"] = base["eager"]
         noop_plan = callables(mode, args, 0)["plan"]
@@ -370,7 +370,7 @@ def print_idle(args) -> int:
     a = torch.randn(1536, 1536, dtype=torch.bfloat16, device="cuda")
     fns["torch: 1536^3 bf16 matmul"] = lambda: a @ a
     fns["torch: matmul + 20 us host busy wait"] = lambda: (a @ a, _busy_wait_us(20.0))
-    for name in [n for n in fns if n.endswith("decode launch alone") or n.endswith("plan.run (2 launches)")]:
+    for name in [n for n in fns if n.endswith("decode launch alone") or ": plan.run (" in n]:
         fns[name + " + 20 us host busy wait"] = lambda _f=fns[name]: (_f(), _busy_wait_us(20.0))
     print(f"host us per call (batch {args.batch} x kv {args.kv_len}, {args.heads} heads, {calls} calls, median of "
           f"{ROUNDS}): GPU held | GPU idle: enqueue, and with the final synchronisation | GPU us per call, "

@@ -1,5 +1,6 @@
-"""GPU time of the split merge: the opt-in fused merge of the sm_90a decode kernel (``fused_combine``) against the
-default decode + combine kernels, through a plan, per split count (docs/perf.md, run 17). GPU host only.
+"""GPU time of the split merge: the fused merge of the sm_90a decode kernel (``fused_combine``, forced) against the
+decode + combine kernels (forced), through a plan, per split count (docs/perf.md, runs 17-19). GPU host only; a
+fused cell whose grid does not fit the GPU at once (``schedule.fused_fits``) shows "-".
 
     python tools/merge_bench.py                                  # bf16, 16 heads, the run-17 shapes
     python tools/merge_bench.py --mode mxfp4 --shapes 4x1024,64x8192 --splits 1,4,8
@@ -59,8 +60,12 @@ def main(argv=None) -> int:
         for num_splits in counts:
             times = []
             for overrides in (FUSED, TWO_KERNELS):
-                p = plan(qo_indptr, kv_indptr, num_heads=args.heads, kv_format=kv_format, q_format=q_format,
-                         num_splits=num_splits, config_overrides=overrides, device="cuda")
+                try:
+                    p = plan(qo_indptr, kv_indptr, num_heads=args.heads, kv_format=kv_format, q_format=q_format,
+                             num_splits=num_splits, config_overrides=overrides, device="cuda")
+                except ValueError:  # a fused grid larger than the GPU (schedule.fused_fits)
+                    times.append("-")
+                    continue
                 times.append(f"{gpu_us_per_call(lambda: p.run(q, kv, **cache_kwargs), args.calls, cycles_per_us):.1f}"
                              f" ({p.num_splits})")
             cells.append(f"{'default' if num_splits is None else num_splits}: {times[0]} | {times[1]}")
