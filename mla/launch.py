@@ -14,7 +14,9 @@ Two launch forms, chosen by the decode config:
       with flat fp32 partials (1-element dummies for one split) and, for the families whose last CTA merges (the
       warp-specialised and 64-row kernels), zeroed int32 semaphores, at least batch * semaphores per sequence, that
       the kernel leaves at zero (``mla.workspace``). Hopper's 16/32/64-row decode kernel merges after a grid-wide
-      barrier and takes none.
+      barrier and takes none; its a8w8 variant (bf16 Q quantized inside) also reduces amax(|q|) itself, into the
+      q_scale argument: a zeroed (1,) cell it leaves zero (``workspace.amax_cell``, or a plan's), so that call
+      launches no reduction either.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class Workspace(NamedTuple):
     """The buffers a launch writes besides the output: the split partials (shaped for the two-kernel form, flat
     for the fused one; None without splits), an LSE for runs that return none, semaphores (None unless fused) and,
     for a8w8 from bf16 Q, amax(|q|) as the reduction writes it (0-d) and as the kernel reads it ((1,), same
-    memory). A plan owns one (``DecodePlan``); an eager call takes views of its stream's scratch
+    memory), and the zeroed (1,) cell of the kernels that reduce it themselves (a plan's; the eager call's is
+    ``workspace.amax_cell``). A plan owns one (``DecodePlan``); an eager call takes views of its stream's scratch
     (``Launch.eager_workspace``)."""
 
     o_partial: torch.Tensor | None
@@ -74,6 +77,7 @@ class Workspace(NamedTuple):
     semaphores: torch.Tensor | None
     q_amax: torch.Tensor | None = None
     q_amax_arg: torch.Tensor | None = None
+    amax_cell: torch.Tensor | None = None
 
 
 class Launch:
@@ -84,7 +88,7 @@ class Launch:
     __slots__ = ("device", "forced_target", "cache_rows", "total_q", "page_size", "decode", "combine", "num_splits",
                  "fused", "semaphore_count", "dummy_partials", "out_shape", "lse_shape", "scratch_numel",
                  "o_partial_view", "lse_partial_view", "unread_lse_offset", "amax_offset",
-                 "kv_rows_shape", "kv_as_uint8", "block_scale_len", "block_scale_as_uint8", "block_scales",
+                 "kv_rows_shape", "kv_as_uint8", "amax_in_kernel", "block_scale_len", "block_scale_as_uint8", "block_scales",
                  "scale_stride", "q_mode", "q_scale", "reshape_q_scale", "kv_scale", "reshape_kv_scale", "paged")
 
     def __init__(self, call: CallSpec, *, causal: bool, num_splits: int | None, total_kv: int, overrides: tuple):
@@ -96,11 +100,13 @@ class Launch:
         self.out_shape = (call.total_q, call.num_heads, KV_LORA_RANK)
         self.lse_shape = (call.total_q, call.num_heads)
         self.decode = self.combine = None
-        self.num_splits, self.fused, self.semaphore_count = 1, False, 0
+        self.num_splits, self.fused, self.semaphore_count, self.amax_in_kernel = 1, False, 0, False
         if call.total_q and call.batch:  # else nothing to launch: the outputs are empty
             k = kernels(call.spec, call.kv_format, call.kernel_q_format, call.num_heads, causal, call.page_size,
                         call.batch, call.total_q, total_kv, num_splits, overrides)
             self.decode, self.combine, self.num_splits, self.fused = k.decode, k.combine, k.num_splits, k.fused
+            # a8w8 with the merge fused: the kernel reduces amax(|q|) itself, into a zeroed cell (no reduction launch)
+            self.amax_in_kernel = bool(getattr(k.decode_cfg, "amax_in_kernel", False))
             if k.fused:
                 # One counter per (sequence, head group); the other families say their own count (the 64-row one:
                 # its row tiles; the 16/32/64-row decode kernel: none).
@@ -192,6 +198,9 @@ class Launch:
         q_mode = self.q_mode
         if q_mode == "bf16":
             q_scale = self.q_scale
+        elif q_mode == "fp8" and self.amax_in_kernel:
+            # a8w8, merge fused: the kernel reduces amax(|q|) into this zeroed cell and leaves it zero.
+            q_scale = workspace.amax_cell(self.device) if eager else ws.amax_cell
         elif q_mode == "fp8":
             # a8w8: amax(|q|), one reduction on the device (no host sync), written into the workspace; the kernel
             # rounds Q with it. The kernels cannot fuse it: every CTA would need the amax over all of Q. Why this

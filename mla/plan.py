@@ -65,11 +65,14 @@ class DecodePlan:
             o_partial, lse_partial = o_flat.view(*shape, KV_LORA_RANK), lse_flat.view(shape)
         unread_lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=device)
         semaphores = self._semaphores() if with_semaphores else None
-        q_amax = q_amax_arg = None
-        if q_format == "fp8":  # a8w8 from bf16 Q: amax(|q|), written by each run's reduction, read by its kernel
+        q_amax = q_amax_arg = amax_cell = None
+        if q_format == "fp8":  # a8w8 from bf16 Q: amax(|q|), written by each run's reduction, read by its kernel;
+            # or, where the kernel reduces it itself, accumulated in a zeroed cell that it leaves zero
             q_amax_arg = torch.empty(1, dtype=torch.float32, device=device)
             q_amax = q_amax_arg.view(())
-        self._ws = Workspace(o_partial, lse_partial, o_flat, lse_flat, unread_lse, semaphores, q_amax, q_amax_arg)
+            amax_cell = workspace.zeroed_float32(device, 1)
+        self._ws = Workspace(o_partial, lse_partial, o_flat, lse_flat, unread_lse, semaphores, q_amax, q_amax_arg,
+                             amax_cell)
 
     @property
     def _o_partial(self):

@@ -1,6 +1,6 @@
 """Device buffers the op keeps across calls: per-device constants (the unit scale of formats without one, the
 stand-in block scales, 1-element dummies), for kernels that fuse the split combine, zeroed int32 semaphores per
-(device, stream), and the eager call's fp32 scratch per (device, stream) (its split partials, the LSE nobody
+(device, stream) and, for the fused a8w8 kernels, a zeroed amax cell per (device, stream), and the eager call's fp32 scratch per (device, stream) (its split partials, the LSE nobody
 reads, a8w8's amax(|q|)): calls on one stream are ordered, so one buffer per stream serves every eager call on it
 without a race, and the call allocates only its output.
 
@@ -39,6 +39,7 @@ _CONSTANTS: dict = {}  # (device, name) -> tensor
 _SEMAPHORES: dict = {}  # (device index, raw stream) -> zeroed int32 tensor
 _RETIRED: list = []  # outgrown semaphore buffers, kept alive
 _SCRATCH: dict = {}  # (device, raw stream) -> Scratch
+_AMAX_CELLS: dict = {}  # (device, raw stream) -> zeroed (1,) float32
 SCRATCH_GRANULE = 1 << 16  # float32 elements: the scratch grows in steps of 256 KiB
 SCRATCH_VIEWS = 64  # launches whose views of one scratch are kept (all dropped when full)
 
@@ -76,6 +77,22 @@ def semaphores(device: torch.device, count: int) -> torch.Tensor:
     buf = _SEMAPHORES[key] = _allocate(device, (size,), torch.int32)
     buf.zero_()  # on the current stream: ordered before every use on it
     return buf
+
+
+def amax_cell(device: torch.device) -> torch.Tensor:
+    """(1,) float32, zero, for the current stream of ``device``: the cell in which the fused a8w8 kernels
+    (``amax_in_kernel``) accumulate amax(|Q|), leaving it zero again, so one per stream serves every call (calls on
+    one stream are ordered). Inside CUDA-graph capture a fresh ``torch.zeros`` that belongs to the graph."""
+    if device.type != "cuda":  # lowering-only targets (tests): no streams
+        key = (device, None)
+    else:
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return torch.zeros(1, dtype=torch.float32, device=device)  # part of the graph: zeroed at every replay
+        key = (device, torch._C._cuda_getCurrentRawStream(device.index))
+    cell = _AMAX_CELLS.get(key)
+    if cell is None:
+        cell = _AMAX_CELLS[key] = zeroed_float32(device, 1)
+    return cell
 
 
 class Scratch:
@@ -119,6 +136,16 @@ def zeroed_int32(device: torch.device, count: int) -> torch.Tensor:
     if device.type != "cuda":
         return torch.zeros(count, dtype=torch.int32, device=device)
     buf = _allocate(device, (count,), torch.int32)
+    buf.zero_()
+    return buf
+
+
+def zeroed_float32(device: torch.device, count: int) -> torch.Tensor:
+    """A zeroed float32 buffer owned by the caller (a plan's amax cell), allocated like the shared ones; zeroed on
+    the current stream, so ordered before every use on it."""
+    if device.type != "cuda":
+        return torch.zeros(count, dtype=torch.float32, device=device)
+    buf = _allocate(device, (count,), torch.float32)
     buf.zero_()
     return buf
 

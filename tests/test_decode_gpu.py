@@ -114,16 +114,26 @@ def test_split_counts_agree(num_splits):
 FUSED = {"fused_combine": True}
 
 
+def with_q(data, q):
+    return (q, *data[1:])
+
+
 def run_fused_twice(mode, data, flat_data, num_splits, causal=False, **kwargs):
-    """Two calls (the grid barrier must work again), outputs poisoned before each, both against the fp32
-    reference."""
-    ref_out, ref_lse = harness_reference(flat_data, mode, causal=causal)
-    heads = ref_out.shape[1]
-    for _ in range(2):
+    """Two calls (the grid barrier must work again), outputs poisoned before each, both against the fp32 reference.
+    The second call's Q is 2^16 times smaller and its softmax scale 2^16 times larger (the same scores): a8w8's
+    amax cell must have been left at zero, or the second call would quantize Q with the first call's amax and most
+    of its codes would round to zero."""
+    sm_scale = mla.constants.DEFAULT_SM_SCALE
+    for call in range(2):
+        if call == 1:
+            q, sm_scale = data[0] * 2.0**-16, sm_scale * 2.0**16
+            data, flat_data = with_q(data, q), with_q(flat_data, q)
+        ref_out, ref_lse = harness_reference(flat_data, mode, causal=causal, sm_scale=sm_scale)
+        heads = ref_out.shape[1]
         out = poisoned(tuple(ref_out.shape), torch.bfloat16)
         lse = poisoned((ref_out.shape[0], heads), torch.float32)
         run_mode(mode, data, num_splits=num_splits, causal=causal, out=out, lse=lse, return_lse=True,
-                 config_overrides=FUSED, **kwargs)
+                 sm_scale=sm_scale, config_overrides=FUSED, **kwargs)
         assert_close_to_reference(out, ref_out, mode)
         seen = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), seen), "LSE: -inf exactly where a query sees nothing"

@@ -175,6 +175,28 @@ def test_a8w8_reduces_q_once_per_call(monkeypatch, no_kernels):
     assert len(norms) == 3
 
 
+@pytest.mark.parametrize("entry", ["eager", "plan"])
+def test_a8w8_with_the_merge_fused_reduces_q_inside_the_kernel(monkeypatch, no_kernels, entry):
+    """Where the merge is fused (a split grid that fits the GPU), the kernel reduces amax(|q|) itself: no reduction
+    launch, and the q_scale argument is a zeroed cell (the stream's, or the plan's) that the kernel leaves zero."""
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: pytest.fail("a reduction launch"))
+    q, kv, qo, kvp = flat_inputs([100, 200])
+    kv8, scale = kv.to(torch.float8_e4m3fn), torch.ones(1)
+    if entry == "eager":
+        for _ in range(2):
+            mla_decode(q, kv8, qo, kvp, kv_scale=scale, q_format="fp8", num_splits=2)
+        cell = workspace.amax_cell(torch.device("cpu"))
+    else:
+        p = plan(qo, kvp, num_heads=16, kv_format="fp8", q_format="fp8", num_splits=2, device="cpu")
+        for _ in range(2):
+            p.run(q, kv8, kv_scale=scale)
+        cell = p._ws.amax_cell
+    ((name, calls),) = [(r.name, r.calls) for r in no_kernels.values() if r.calls]
+    assert name.endswith("_fused_fn") and "_qfp8_" in name
+    assert calls[0][4] is calls[1][4] is cell, "q_scale argument: the zeroed amax cell"
+    assert cell.shape == (1,) and cell.dtype == torch.float32 and cell.item() == 0
+
+
 # --- the fused-combine launch form ----------------------------------------------------------------------------------
 
 

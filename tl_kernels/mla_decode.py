@@ -40,6 +40,8 @@ MERGE_SPLITS = 8  # fused_combine: splits whose partial chunks one thread loads 
 MERGE_CUDA_SOURCE = """
 #include <cuda_bf16.h>
 __device__ __forceinline__ float mla_merge_load(const float* p) { return __ldcg(p); }
+// a8w8 with the merge fused: *cell = max(*cell, bits) on a float's bits (amax_in_kernel).
+__device__ __forceinline__ void mla_amax_bits(float* cell, int bits) { atomicMax(reinterpret_cast<int*>(cell), bits); }
 
 // dst[0, 4) = src[0, 4), 16-byte aligned, through L2.
 __device__ __forceinline__ void mla_merge_load4(float* dst, const float* src) {
@@ -151,6 +153,13 @@ class DecodeKernelConfig:
     @property
     def block_m(self) -> int:
         return self.q_tile * self.block_h
+
+    @property
+    def amax_in_kernel(self) -> bool:
+        """a8w8 from bf16 Q with the merge fused: the kernel reduces amax(|Q|) itself (a slice per CTA, combined
+        by an atomic max before a grid barrier), so the call needs no reduction launch. Q_scale is then a zeroed
+        cell the kernel accumulates into and leaves zero."""
+        return self.fused_combine and self.q_format == "fp8"
 
     @property
     def semaphores_per_seq(self) -> int:
@@ -391,6 +400,33 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                     )
 
     @T.macro
+    def reduce_amax(Q, Amax_cell, Amax_bits, n_splits, tx, split_id, seq_id, hg):
+        # Stage 0 (amax_in_kernel): amax(|Q|) over the whole Q tensor: each CTA takes an equal slice of its elements,
+        # the CTA's maximum goes into the zeroed cell by an integer atomic max on the float bits (|q| >= 0, so their
+        # order is the floats'; a NaN's bits exceed inf's, so NaN wins as in torch's amax); after the grid barrier
+        # every CTA reads the total through L2 (``merge_load``). Exact: the same amax as torch's reduction.
+        n_ctas = n_splits * (indptr_len - 1) * head_groups
+        cta = (hg * (indptr_len - 1) + seq_id) * n_splits + split_id
+        total = total_q * heads * QK_DIM
+        per_cta = T.ceildiv(total, n_ctas)
+        lo = cta * per_cta
+        hi = T.min(lo + per_cta, total)
+        bits = T.alloc_var("int32", init=0)
+        for step in T.serial(T.ceildiv(T.max(hi - lo, 0), cfg.threads)):
+            at = lo + step * cfg.threads + tx
+            if at < hi:
+                value = T.abs(T.cast(Q[at // (heads * QK_DIM), at // QK_DIM % heads, at % QK_DIM], accum_dtype))
+                bits = T.max(bits, T.reinterpret(value, "int32"))
+        if tx == 0:
+            Amax_bits[0] = 0
+        T.sync_threads()
+        T.atomic_max(Amax_bits[0], bits)
+        T.sync_threads()
+        if tx == 0:
+            T.call_extern("handle", "mla_amax_bits", Amax_cell.access_ptr("rw", offset=0), Amax_bits[0])
+        T.sync_grid()
+
+    @T.macro
     def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
                     n_splits, O_partial, LSE_partial, Out, LSE):
         with T.Kernel(n_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
@@ -424,6 +460,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 merge_stage = T.alloc_local([MERGE_SPLITS * 4], accum_dtype)  # a step's splits' partial chunks
                 merge_max = T.alloc_local([2], accum_dtype)  # running max LSE of the chunk's row; a step's max
                 merge_denom = T.alloc_local([1], accum_dtype)  # running sum of weights
+                if cfg.amax_in_kernel:
+                    Amax_bits = T.alloc_shared([1], "int32")  # the CTA's amax(|Q|) slice, as float bits
                 tx = T.get_thread_binding()
 
             # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
@@ -437,12 +475,19 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             split_hi = T.alloc_var("int32", init=T.min(split_lo + chunk, kv_len))
             num_tiles = T.alloc_var("int32", init=T.ceildiv(T.max(split_hi - split_lo, 0), block_n))
             # a8w8: the per-tensor Q scale from amax, rounded to bf16 as torch computes it (amax / fp8_max in bf16).
-            q_scale = T.alloc_var(
-                accum_dtype,
-                init=T.cast(T.cast(T.max(Q_scale[0], AMAX_FLOOR) / fp8_max, "bfloat16"), accum_dtype)
-                if cfg.q_format == "fp8"
-                else Q_scale[0],
-            )
+            if cfg.amax_in_kernel:
+                reduce_amax(Q, Q_scale, Amax_bits, n_splits, tx, split_id, seq_id, hg)
+                q_scale = T.alloc_var(
+                    accum_dtype,
+                    init=T.cast(T.cast(T.max(merge_load(Q_scale, 0), AMAX_FLOOR) / fp8_max, "bfloat16"), accum_dtype),
+                )
+            else:
+                q_scale = T.alloc_var(
+                    accum_dtype,
+                    init=T.cast(T.cast(T.max(Q_scale[0], AMAX_FLOOR) / fp8_max, "bfloat16"), accum_dtype)
+                    if cfg.q_format == "fp8"
+                    else Q_scale[0],
+                )
             # Scores are scaled once, in base 2; fp8 per-tensor scales of Q and K fold in here.
             score_scale = T.alloc_var(accum_dtype, init=sm_scale * LOG2E * q_scale * KV_scale[0])
             out_scale = T.alloc_var(accum_dtype, init=KV_scale[0])
@@ -567,6 +612,13 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 if n_splits > 1:
                     merge_splits(O_partial, LSE_partial, Out, LSE, n_splits, merge_acc, merge_lse, merge_stage,
                                  merge_max, merge_denom, tx, q_begin, q_len, split_id, hg)
+                if cfg.amax_in_kernel:
+                    # Every CTA read amax(|Q|) before the merge's barrier (one split: this one): the cell goes back
+                    # to zero for the next call.
+                    if n_splits == 1:
+                        T.sync_grid()
+                    if split_id == 0 and seq_id == 0 and hg == 0 and tx == 0:
+                        Q_scale[0] = 0
 
     if cfg.dim_split:
         decode_body = _dim_split_body(
