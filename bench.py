@@ -37,7 +37,8 @@ Host cost (--host-shape, default 4x1024; JSON rows of kind "host"): the L2 flush
 ~60-80 us of host time, so the host is measured apart, with a warm L2: ``host_us_per_call`` = wall time per call in a
 loop of --host-calls (500) calls back to back, for every mode through ``mla_decode``, through ``DecodePlan.run``
 (rows with ``"plan": true``) and through ``mla.flash_mla.flash_mla_with_kvcache`` with reused metadata on 64-token
-pages (``"call": "flash_mla"``), and for every peer's timed call; ``gpu_us_per_call`` = the call's GPU time with the GPU
+pages (``"call": "flash_mla"``), for every peer's timed call, and for one torch launch of a tiny kernel (``"call":
+"reference"``: this host's own speed, as hosts differ ~2x); ``gpu_us_per_call`` = the call's GPU time with the GPU
 never waiting for the host (calls queued behind a sleep kernel, CUDA events around them); ``host_overhead_us`` = their
 difference: what the host adds per call beyond the kernels.
 
@@ -694,6 +695,10 @@ def bench_host(bench: Bench, case: Case) -> list[dict]:
         flash_paging = paging if args.page_size == FLASH_PAGE_SIZE else to_paged(data, FLASH_PAGE_SIZE, seed=INPUT_SEED)
         for mode in args.modes:
             calls.append((mode, "flash_mla", flash_mla_call(mode, data, flash_paging)))
+    # This host's own speed, for reading the rows across machines (their CPUs differ ~2x, docs/perf.md run 18): one
+    # torch launch of a tiny kernel, host-bound, so its "host overhead" is torch's host time per launch here.
+    cell = torch.zeros(1, device=bench.device)
+    calls.append(("torch", "reference", lambda: cell.add_(1)))
     ref_fns, shared = reference_fns(data), {}
     for peer in bench.peers:
         if peer.reason is None:

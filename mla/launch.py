@@ -203,7 +203,8 @@ class Launch:
             q_scale = workspace.amax_cell(self.device) if eager else ws.amax_cell
         elif q_mode == "fp8":
             # a8w8: amax(|q|), one reduction on the device (no host sync), written into the workspace; the kernel
-            # rounds Q with it. The kernels cannot fuse it: every CTA would need the amax over all of Q. Why this
+            # rounds Q with it. Only the fused-merge kernels reduce it themselves (above: they have a grid barrier;
+            # without one every CTA would need the amax over all of Q before its first score). Why this
             # reduction (tools/host_cost.py --a8w8 measures the ways, host and GPU): vector_norm(ord=inf,
             # dtype=fp32) is ONE reduction kernel that reads bf16 and writes the fp32 amax (|x| and the max are
             # exact, so it equals q.abs().amax().float() bit for bit, NaN included), where q.abs().amax().float()
@@ -298,7 +299,8 @@ def mla_decode(
       kv_block_scale: (total_kv, >= 18) uint8 (or float8_e8m0fnu) e8m0 scales of an mxfp4 cache, one per 32
         elements; only the first 18 columns are read, so rows padded to 24 (or any row stride) work.
       q_format: "fp8" quantizes bf16 Q to fp8 with one per-tensor scale (a8w8), bit-exact with the competition's
-        reference quantizer: amax(|q|) is one reduction on the device, the rounding happens inside the kernel.
+        reference quantizer: amax(|q|) is one reduction on the device (inside the kernel where the split merge is
+        fused), the rounding happens inside the kernel.
       q_scale: (1,) float32, only with Q given as fp8 codes.
       sm_scale: softmax scale, positive and finite; default 1/sqrt(576).
       causal: query i of a sequence with n queries and L tokens sees KV positions [0, L - n + i] (MTP); without

@@ -394,7 +394,7 @@ def test_command_line(argv):
 def test_host_table_rows(monkeypatch, paged):
     """bench_host on the CPU (target forced, kernels recorded, the CUDA timers replaced): a row per mode for
     mla_decode, one for DecodePlan.run and one for flash_mla_with_kvcache (64-token pages), and one per peer, each
-    with the three JSON fields."""
+    with the three JSON fields, and the host's reference row (one torch launch)."""
     import mla.decode
     from test_plan_cpu import Recorder
 
@@ -414,7 +414,7 @@ def test_host_table_rows(monkeypatch, paged):
     assert [(r["impl"], r["call"], r["plan"], r["peer"]) for r in rows] == [
         ("bf16", "eager", False, False), ("bf16", "plan.run", True, False), ("a8w8", "eager", False, False),
         ("a8w8", "plan.run", True, False), ("bf16", "flash_mla", False, False), ("a8w8", "flash_mla", False, False),
-        ("fa3", "peer", False, True)]
+        ("torch", "reference", False, False), ("fa3", "peer", False, True)]
     for row in rows:
         assert row["kind"] == "host" and row["case"] == "4x1024" and "error" not in row, row
         assert row["host_us_per_call"] == 20.0 and row["gpu_us_per_call"] == 12.5 and row["host_overhead_us"] == 7.5
@@ -423,7 +423,9 @@ def test_host_table_rows(monkeypatch, paged):
     flash = [c for c in calls if isinstance(c, tuple)]  # flash_mla_with_kvcache: (out, lse), FlashMLA's shapes
     assert len(flash) == 2 * bench.HOST_ROUNDS
     assert all(out.shape == (4, 1, 16, 512) and lse.shape == (4, 16, 1) for out, lse in flash)
-    assert all(out.shape == (4, 16, 512) for out in calls if not isinstance(out, tuple))
+    reference = [c for c in calls if not isinstance(c, tuple) and c.shape == (1,)]  # the torch launch's cell
+    assert len(reference) == bench.HOST_ROUNDS
+    assert all(out.shape == (4, 16, 512) for out in calls if not isinstance(out, tuple) and out.shape != (1,))
     bench.print_host_summary(rows)
 
 
