@@ -88,8 +88,8 @@ class Launch:
     __slots__ = ("device", "forced_target", "cache_rows", "total_q", "page_size", "decode", "combine", "num_splits",
                  "fused", "semaphore_count", "dummy_partials", "out_shape", "lse_shape", "scratch_numel",
                  "o_partial_view", "lse_partial_view", "unread_lse_offset", "amax_offset",
-                 "kv_rows_shape", "kv_as_uint8", "amax_in_kernel", "block_scale_len", "block_scale_as_uint8", "block_scales",
-                 "scale_stride", "q_mode", "q_scale", "reshape_q_scale", "kv_scale", "reshape_kv_scale", "paged")
+                 "kv_rows_shape", "kv_as_uint8", "amax_in_kernel", "block_scale_len", "block_scale_as_uint8",
+                 "block_scales", "scale_stride", "q_mode", "q_scale", "reshape_q_scale", "kv_scale", "reshape_kv_scale", "paged")
 
     def __init__(self, call: CallSpec, *, causal: bool, num_splits: int | None, total_kv: int, overrides: tuple):
         device = call.device

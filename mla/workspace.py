@@ -1,8 +1,9 @@
 """Device buffers the op keeps across calls: per-device constants (the unit scale of formats without one, the
 stand-in block scales, 1-element dummies), for kernels that fuse the split combine, zeroed int32 semaphores per
-(device, stream) and, for the fused a8w8 kernels, a zeroed amax cell per (device, stream), and the eager call's fp32 scratch per (device, stream) (its split partials, the LSE nobody
-reads, a8w8's amax(|q|)): calls on one stream are ordered, so one buffer per stream serves every eager call on it
-without a race, and the call allocates only its output.
+(device, stream), for the fused a8w8 kernels a zeroed amax cell per (device, stream), and the eager call's fp32
+scratch per (device, stream) (its split partials, the LSE nobody reads, a8w8's amax(|q|)): calls on one stream are
+ordered, so one buffer per stream serves every eager call on it without a race, and the call allocates only its
+output.
 
 Why they are allocated the way they are: torch.compile(mode="reduce-overhead") runs a function's warm-up and
 records it with every allocation of the current stream routed to the private pool of its CUDA-graph trees, and it
