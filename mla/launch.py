@@ -108,10 +108,9 @@ class Launch:
             # a8w8 with the merge fused: the kernel reduces amax(|q|) itself, into a zeroed cell (no reduction launch)
             self.amax_in_kernel = bool(getattr(k.decode_cfg, "amax_in_kernel", False))
             if k.fused:
-                # One counter per (sequence, head group); the other families say their own count (the 64-row one:
-                # its row tiles; the 16/32/64-row decode kernel: none).
-                per_seq = getattr(k.decode_cfg, "semaphores_per_seq", call.num_heads // k.decode_cfg.block_h)
-                self.semaphore_count = call.batch * per_seq
+                # Each family says its count per sequence (warp-specialised: head groups; 64-row: row tiles; the
+                # 16/32/64-row decode kernel, whose merge waits at a grid barrier: none).
+                self.semaphore_count = call.batch * k.decode_cfg.semaphores_per_seq
         # The fused kernels' partial arguments with one split (never read), made here: not inside a graph capture.
         self.dummy_partials = workspace.dummy_fp32(device) if self.fused and self.num_splits == 1 else None
         self.q_mode = call.kernel_q_format  # "bf16": unit scale; "fp8": amax(|q|) per call; "fp8_codes": caller's

@@ -241,8 +241,8 @@ def plan(
         selected = kernels(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_q, sum(kv_lens),
                            num_splits, overrides)
         num_splits = selected.num_splits
-        # Families whose last CTA merges count splits on semaphores (not the grid-barrier merge: none per seq).
-        with_semaphores = selected.fused and getattr(selected.decode_cfg, "semaphores_per_seq", 1) > 0
+        # Families whose last CTA merges count splits on semaphores (the grid-barrier merge needs none).
+        with_semaphores = selected.fused and selected.decode_cfg.semaphores_per_seq > 0
     return DecodePlan(
         spec=spec, device=device, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
         sm_scale=sm_scale, page_size=page_size, kv_lens=kv_lens, total_q=total_q, num_splits=num_splits or 1,

@@ -256,9 +256,13 @@ def fused_fits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int, num_spl
     """Whether the fused-merge decode kernel (``fused_combine``) may run this grid: a CUDA target (its grid-wide
     barrier is a cooperative launch there) and at most one CTA per SM, so every CTA is resident whatever else the
     kernel's registers and shared memory allow."""
-    if spec.is_hip or cfg.dim_split:
-        return False
-    return batch * (cfg.num_heads // cfg.block_h) * num_splits <= spec.num_sms
+    return can_fuse(spec, cfg) and batch * (cfg.num_heads // cfg.block_h) * num_splits <= spec.num_sms
+
+
+def can_fuse(spec: TargetSpec, cfg: DecodeKernelConfig) -> bool:
+    """Whether the decode kernel has a fused-merge form on ``spec``: CUDA's cooperative launch, and the block-level
+    program (gfx942's dim_split program has none)."""
+    return not spec.is_hip and not cfg.dim_split
 
 
 def combine_config(spec: TargetSpec, *, num_heads: int = 16) -> CombineKernelConfig:
@@ -315,7 +319,7 @@ def decode_variants(spec: TargetSpec, *, kv_format: str, q_format: str, num_head
                    page_size=page_size)
     split_cfg = decode_config(spec, split=True, **problem)
     variants = [split_cfg, decode_config(spec, split=False, **problem), combine_config(spec, num_heads=num_heads)]
-    if FUSED_COMBINE_ON_CUDA and fused_fits(spec, split_cfg, batch=1, num_splits=2):
+    if FUSED_COMBINE_ON_CUDA and can_fuse(spec, split_cfg):
         variants.append(dataclasses.replace(split_cfg, fused_combine=True))
     return variants
 

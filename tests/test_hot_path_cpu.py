@@ -207,6 +207,7 @@ class FusedConfig:
     name: str
     block_h: int
     fused_combine: bool = True
+    semaphores_per_seq: int = 8  # counters per sequence, as the families whose last CTA merges say
 
 
 @pytest.fixture

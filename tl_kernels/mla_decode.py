@@ -303,6 +303,11 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         """buf[index] of a partial buffer, read by address through L2 (``MERGE_CUDA_SOURCE``)."""
         return T.call_extern(accum_dtype, "mla_merge_load", buf.access_ptr("r", offset=index))
 
+    def q_scale_arg(Q_scale):
+        """The Q_scale argument's value: the caller's (amax(|Q|) for a8w8, the scale of fp8 codes, 1 for bf16), or,
+        with ``amax_in_kernel``, the amax this kernel reduced into it (read through L2, after the grid barrier)."""
+        return merge_load(Q_scale, 0) if cfg.amax_in_kernel else Q_scale[0]
+
     @T.macro
     def write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg):
         # The final bf16 output and natural-log LSE of one query pass. denom == 0 means nothing was visible:
@@ -477,17 +482,12 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
             # a8w8: the per-tensor Q scale from amax, rounded to bf16 as torch computes it (amax / fp8_max in bf16).
             if cfg.amax_in_kernel:
                 reduce_amax(Q, Q_scale, Amax_bits, n_splits, tx, split_id, seq_id, hg)
-                q_scale = T.alloc_var(
-                    accum_dtype,
-                    init=T.cast(T.cast(T.max(merge_load(Q_scale, 0), AMAX_FLOOR) / fp8_max, "bfloat16"), accum_dtype),
-                )
-            else:
-                q_scale = T.alloc_var(
-                    accum_dtype,
-                    init=T.cast(T.cast(T.max(Q_scale[0], AMAX_FLOOR) / fp8_max, "bfloat16"), accum_dtype)
-                    if cfg.q_format == "fp8"
-                    else Q_scale[0],
-                )
+            q_scale = T.alloc_var(
+                accum_dtype,
+                init=T.cast(T.cast(T.max(q_scale_arg(Q_scale), AMAX_FLOOR) / fp8_max, "bfloat16"), accum_dtype)
+                if cfg.q_format == "fp8"
+                else q_scale_arg(Q_scale),
+            )
             # Scores are scaled once, in base 2; fp8 per-tensor scales of Q and K fold in here.
             score_scale = T.alloc_var(accum_dtype, init=sm_scale * LOG2E * q_scale * KV_scale[0])
             out_scale = T.alloc_var(accum_dtype, init=KV_scale[0])

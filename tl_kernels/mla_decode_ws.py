@@ -98,6 +98,11 @@ class WSDecodeKernelConfig:
         return self.block_h
 
     @property
+    def semaphores_per_seq(self) -> int:
+        """Fused-merge counters per sequence (one per head group): the launch allocates batch x this many."""
+        return self.num_heads // self.block_h
+
+    @property
     def producer_groups(self) -> int:
         return 1 if self.kv_format == "bf16" else DECODER_GROUPS
 
