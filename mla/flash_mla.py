@@ -24,7 +24,11 @@ How the metadata maps onto this package: the first ``flash_mla_with_kvcache`` ca
 ``cache_seqlens`` to the host (one synchronisation; ``get_mla_metadata(cache_seqlens, ...)`` does it there instead)
 and makes a ``mla.plan.DecodePlan``: the split count from the exact lengths, the kernels built, the split
 workspace. Every later call with the same metadata and the same tensor signature only looks its prepared launch up,
-allocates ``out`` and ``lse`` and launches (no synchronisation: it can be captured in a CUDA graph).
+allocates ``out`` and ``lse`` and launches (no synchronisation: it can be captured in a CUDA graph). Where the split
+grid fits the GPU (Hopper; the small calls, whose host time shows) the one kernel launched takes FlashMLA's shapes
+itself (``flash_io``): the caller's q, cache, block table and cache_seqlens go to it as they are, and it writes the
+(batch, s_q, h_q, 512) output and the (batch, h_q, s_q) LSE with +inf. Otherwise the package's kernels run on views
+of the caller's tensors, on the planned offsets, and the LSE is transposed and fixed by one more launch when s_q > 1.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import re
 
 import torch
 
-from mla import validate
+from mla import jit, schedule, validate
 from mla.constants import DEFAULT_SM_SCALE, KV_LORA_RANK, QK_DIM
 from mla.launch import Launch
 from mla.plan import DecodePlan, plan
@@ -45,6 +49,7 @@ from mla.validate import FP8_DTYPES
 __all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "MLAMetadata"]
 
 _INF, _NAN = math.inf, math.nan
+_BF16, _FP32 = torch.bfloat16, torch.float32
 # The package's argument names in its error messages -> the names of FlashMLA's (and this module's) arguments.
 _FLASH_NAMES = {"kv_cache": "k_cache", "page_table": "block_table", "kv_scale": "descale_k", "q_scale": "descale_q"}
 _NAMES = re.compile(r"\b(" + "|".join(_FLASH_NAMES) + r")\b")
@@ -74,9 +79,10 @@ class MLAMetadata:
     calls (checked on each new tensor signature, ValueError naming the argument): q's batch, s_q and h_q, the
     cache's page_block_size and its single KV head, ``causal``, ``is_fp8_kvcache``, the cache format and the Q
     format. The *values* of ``cache_seqlens`` must stay the same as well (FlashMLA's rule too); they are not
-    checked, as that would need a host copy per call: eager calls read the lengths planned on the first call, and
-    a CUDA graph captured with this metadata reads ``cache_seqlens`` at every replay (so a graph follows in-place
-    updates of the lengths; the split count stays the planned one, which only affects speed). ``block_table``,
+    checked, as that would need a host copy per call. The FlashMLA-shaped kernel of the small calls reads
+    ``cache_seqlens`` at every call; the other forms read the lengths planned on the first call when eager, and
+    ``cache_seqlens`` at every replay when captured in a CUDA graph. (So a graph follows in-place updates of the
+    lengths; the split count stays the planned one, which only affects speed.) ``block_table``,
     ``softmax_scale`` and the tensors' data may change from call to call.
     """
 
@@ -182,10 +188,10 @@ def flash_mla_with_kvcache(
     """
     meta = tile_scheduler_metadata
     try:
-        key = (q.dtype, q.shape, q.device, q.is_contiguous(),
+        key = (q.dtype, q.shape, q.device, q.stride(),
                k_cache.dtype, k_cache.shape, k_cache.stride(), k_cache.device,
-               block_table.dtype, block_table.shape, block_table.device, block_table.is_contiguous(),
-               cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.device, cache_seqlens.is_contiguous(),
+               block_table.dtype, block_table.shape, block_table.device, block_table.stride(),
+               cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.device, cache_seqlens.stride(),
                None if descale_q is None else (descale_q.dtype, descale_q.shape, descale_q.device),
                None if descale_k is None else (descale_k.dtype, descale_k.shape, descale_k.device),
                None if kv_block_scale is None else (kv_block_scale.dtype, kv_block_scale.shape,
@@ -201,6 +207,66 @@ def flash_mla_with_kvcache(
         raise ValueError("num_splits: pass None or the num_splits that get_mla_metadata returned with this metadata")
     sm_scale = DEFAULT_SM_SCALE if softmax_scale is None else validate.check_sm_scale(softmax_scale)
     return run(q, k_cache, block_table, cache_seqlens, descale_q, descale_k, kv_block_scale, sm_scale)
+
+
+class _DirectRun:
+    """One call signature whose kernel takes FlashMLA's shapes (``flash_io``: the one-launch paged kernel, where
+    the split grid fits the GPU): the call allocates ``out`` and ``lse`` and launches, with no view, no offsets
+    (the kernel reads ``cache_seqlens``) and no LSE fix (the kernel writes +inf where nothing is seen)."""
+
+    __slots__ = ("decode", "out_shape", "lse_shape", "device", "block_scales", "block_scale_len",
+                 "block_scale_as_uint8", "scale_stride", "q_scale", "reshape_q_scale", "kv_scale", "reshape_kv_scale",
+                 "num_splits", "o_partial", "lse_partial")
+
+    def __init__(self, launch: Launch, the_plan: DecodePlan, batch: int, s_q: int, h_q: int):
+        ws = the_plan.workspace
+        self.decode = jit.get_launcher(schedule.flash_io_variant(launch.decode_cfg), launch.spec)
+        self.out_shape, self.lse_shape, self.device = (batch, s_q, h_q, KV_LORA_RANK), (batch, h_q, s_q), launch.device
+        self.block_scales, self.block_scale_len = launch.block_scales, launch.block_scale_len
+        self.block_scale_as_uint8, self.scale_stride = launch.block_scale_as_uint8, launch.scale_stride
+        # Q's scale argument: 1 (bf16 Q), the plan's zeroed amax cell (a8w8 from bf16 Q: the kernel reduces
+        # amax(|q|) into it), or the caller's descale_q (fp8 Q codes: None here, given per call).
+        self.q_scale = launch.q_scale if launch.q_mode == "bf16" else ws.amax_cell if launch.amax_in_kernel else None
+        self.reshape_q_scale, self.kv_scale, self.reshape_kv_scale = (launch.reshape_q_scale, launch.kv_scale,
+                                                                     launch.reshape_kv_scale)
+        self.num_splits = launch.num_splits
+        if launch.num_splits == 1:
+            self.o_partial = self.lse_partial = launch.dummy_partials
+        else:
+            self.o_partial, self.lse_partial = ws.o_partial_flat, ws.lse_partial_flat
+
+    @staticmethod
+    def applies(launch: Launch, q, k_cache, block_table) -> bool:
+        """Whether this call signature can take the direct kernel: the one-launch block-level paged kernel, a
+        cache read in its own dtype, and row-major tensors (the kernel's argument checks want exact strides)."""
+        return (schedule.flash_io_variant(launch.decode_cfg) is not None and not launch.kv_as_uint8
+                and _row_major(q) and _row_major(k_cache) and _row_major(block_table))
+
+    def __call__(self, q, k_cache, block_table, cache_seqlens, descale_q, descale_k, kv_block_scale, sm_scale):
+        out = torch.empty(*self.out_shape, dtype=_BF16, device=self.device)
+        lse = torch.empty(*self.lse_shape, dtype=_FP32, device=self.device)
+        block_scales = self.block_scales
+        if block_scales is None:
+            block_scales = (kv_block_scale.view(torch.uint8) if self.block_scale_as_uint8 else kv_block_scale
+                            ).as_strided((self.block_scale_len,), (1,))
+        q_scale = self.q_scale
+        if q_scale is None:
+            q_scale = descale_q.reshape(1) if self.reshape_q_scale else descale_q
+        kv_scale = self.kv_scale
+        if kv_scale is None:
+            kv_scale = descale_k.reshape(1) if self.reshape_kv_scale else descale_k
+        self.decode(q, k_cache, block_scales, self.scale_stride, q_scale, kv_scale, cache_seqlens, block_table,
+                    sm_scale, self.num_splits, self.o_partial, self.lse_partial, out, lse)
+        return out, lse
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """Strides exactly those of a fresh tensor of its shape (size-1 dims included)."""
+    step, strides = 1, []
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    return t.stride() == tuple(reversed(strides))
 
 
 class _Run:
@@ -332,8 +398,11 @@ def _prepare_run(key, q, k_cache, block_table, cache_seqlens, meta, config, desc
     _check_capacity(block_table, page, lengths)
     launch = the_plan.prepare(q.view(batch * s_q, h_q, QK_DIM), k_cache, kv_scale=descale_k,
                               kv_block_scale=kv_block_scale, q_scale=descale_q)
-    lonely = any(n == 0 for n in lengths) or (config.causal and s_q > 1 and any(n < s_q for n in lengths))
-    run = _Run(launch, the_plan, batch, s_q, h_q, lonely)
+    if _DirectRun.applies(launch, q, k_cache, block_table):
+        run = _DirectRun(launch, the_plan, batch, s_q, h_q)
+    else:
+        lonely = any(n == 0 for n in lengths) or (config.causal and s_q > 1 and any(n < s_q for n in lengths))
+        run = _Run(launch, the_plan, batch, s_q, h_q, lonely)
     if key is not None:
         meta._runs[key] = run
     return run

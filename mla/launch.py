@@ -85,7 +85,7 @@ class Launch:
     writes is in a workspace (a plan's, or views of the eager call's per-stream scratch). Nothing in it depends on
     tensor values."""
 
-    __slots__ = ("device", "forced_target", "cache_rows", "total_q", "page_size", "decode", "combine", "num_splits",
+    __slots__ = ("device", "spec", "decode_cfg", "forced_target", "cache_rows", "total_q", "page_size", "decode", "combine", "num_splits",
                  "fused", "semaphore_count", "dummy_partials", "out_shape", "lse_shape", "scratch_numel",
                  "o_partial_view", "lse_partial_view", "unread_lse_offset", "amax_offset",
                  "kv_rows_shape", "kv_as_uint8", "amax_in_kernel", "block_scale_len", "block_scale_as_uint8",
@@ -99,12 +99,14 @@ class Launch:
         self.cache_rows, self.total_q, self.page_size = call.cache_rows, call.total_q, call.page_size
         self.out_shape = (call.total_q, call.num_heads, KV_LORA_RANK)
         self.lse_shape = (call.total_q, call.num_heads)
+        self.spec, self.decode_cfg = call.spec, None
         self.decode = self.combine = None
         self.num_splits, self.fused, self.semaphore_count, self.amax_in_kernel = 1, False, 0, False
         if call.total_q and call.batch:  # else nothing to launch: the outputs are empty
             k = kernels(call.spec, call.kv_format, call.kernel_q_format, call.num_heads, causal, call.page_size,
                         call.batch, call.total_q, total_kv, num_splits, overrides)
             self.decode, self.combine, self.num_splits, self.fused = k.decode, k.combine, k.num_splits, k.fused
+            self.decode_cfg = k.decode_cfg
             # a8w8 with the merge fused: the kernel reduces amax(|q|) itself, into a zeroed cell (no reduction launch)
             self.amax_in_kernel = bool(getattr(k.decode_cfg, "amax_in_kernel", False))
             if k.fused:

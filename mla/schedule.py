@@ -161,6 +161,16 @@ def ws_by_default(spec: TargetSpec, *, kv_format: str, num_heads: int, q_tile: i
     return kv_format in WS_FORMATS and total_kv >= WS_MIN_TOKENS and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
 
 
+def flash_io_variant(decode_cfg):
+    """The selected decode config in FlashMLA's argument shapes (``flash_io``), which ``mla.flash_mla`` launches
+    with no view per call; None where the family has no such form. Only the block-level paged kernel with the merge
+    fused has one: the one-launch calls (split grid within the GPU), where host time shows."""
+    if (isinstance(decode_cfg, DecodeKernelConfig) and decode_cfg.fused_combine and decode_cfg.page_size
+            and not decode_cfg.dim_split):
+        return dataclasses.replace(decode_cfg, flash_io=True)
+    return None
+
+
 def uses_ws(spec: TargetSpec, *, num_heads: int, q_tile: int) -> bool:
     """Whether the warp-specialised kernel family serves this problem class: Hopper (wgmma, setmaxnreg) and 16
     query rows per CTA (16 heads, one query token per pass). Wider problems (more heads, MTP tiles of 2-4 queries)

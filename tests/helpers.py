@@ -184,7 +184,8 @@ KERNEL_CLASSES = {}  # (test module, test name) -> function(**params) -> [kernel
 
 
 def launches(classes_of):
-    """Declares which kernel classes ``(mode, num_heads, q_tile, causal[, page_size])`` a GPU test launches, as a
+    """Declares which kernel classes ``(mode, num_heads, q_tile, causal[, page_size[, flash]])`` a GPU test launches
+    (``flash``: also through ``mla.flash_mla``, whose one-launch kernels take FlashMLA's shapes), as a
     function of its parameters; conftest builds them all in parallel before the module's first test (and
     ``pytest --prebuild-only`` builds them into TILELANG_CACHE_DIR on a CPU box)."""
 
@@ -203,23 +204,27 @@ def classes_of_items(items):
         classes_of = KERNEL_CLASSES.get((getattr(fn, "__module__", None), getattr(item, "originalname", None)))
         if classes_of is not None:
             params = item.callspec.params if hasattr(item, "callspec") else {}
-            classes.update(tuple(c) + (0,) * (5 - len(c)) for c in classes_of(**params))
+            classes.update(tuple(c) + (0,) * (6 - len(c)) for c in classes_of(**params))
     return classes
 
 
 def kernel_configs(spec, classes):
-    """The kernels the op may launch for problem classes ``(mode, num_heads, q_tile, causal, page_size)``
-    (``schedule.decode_variants``); on Hopper's 16-row class also the warp-specialised kernel."""
+    """The kernels the op may launch for problem classes ``(mode, num_heads, q_tile, causal, page_size, flash)``
+    (``schedule.decode_variants``); on Hopper's 16-row class also the warp-specialised kernel; with ``flash``
+    also the FlashMLA-shaped form of each (``schedule.flash_io_variant``)."""
     from mla import schedule
 
     configs = []
-    for mode, heads, q_tile, causal, page_size in sorted(set(classes)):
+    for mode, heads, q_tile, causal, page_size, flash in sorted(set(classes)):
         kv_format, q_format = MODE_FORMATS[mode]
         if schedule.uses_ws(spec, num_heads=heads, q_tile=q_tile):  # the fused kernel of large problems (and tests)
             configs.append(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
                                               causal=causal, page_size=page_size))
-        configs += schedule.decode_variants(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
+        variants = schedule.decode_variants(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
                                             q_tile=q_tile, causal=causal, page_size=page_size)
+        configs += variants
+        if flash:
+            configs += [c for c in map(schedule.flash_io_variant, variants) if c is not None]
     return list(dict.fromkeys(configs))  # unique, in order
 
 

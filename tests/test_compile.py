@@ -19,6 +19,9 @@ VARIANTS = schedule.kernel_variants(H200) + [
     schedule.decode_config(H200, kv_format="mxfp4", page_size=16),
     # The fused split merge (one launch per call; kernel_variants has the flat 16-head ones), paged with MTP.
     schedule.decode_config(H200, kv_format="bf16", q_tile=2, causal=True, page_size=64, fused_combine=True),
+    # ... and in FlashMLA's argument shapes (mla.flash_mla's one-launch calls), a8w8 (amax reduced inside).
+    schedule.flash_io_variant(schedule.decode_config(H200, kv_format="fp8", q_format="fp8", page_size=64,
+                                                     fused_combine=True)),
 ]
 
 

@@ -1,8 +1,10 @@
 """``mla.flash_mla`` on the CPU (target forced to sm_90a, kernels replaced by recorders): FlashMLA's signatures,
-both metadata patterns, that a call launches exactly what ``mla_decode`` launches on the equivalent CSR inputs,
-the LSE layout and +inf, the reuse checks, and every bad argument raising ValueError / TypeError naming it.
+both metadata patterns, what a call launches (small calls: the kernel ``mla_decode`` picks, in FlashMLA's shapes,
+on the caller's tensors; large ones: exactly what ``mla_decode`` launches on the equivalent CSR inputs), the LSE
+layout and +inf, the reuse checks, and every bad argument raising ValueError / TypeError naming it.
 The GPU tests (tests/test_flash_mla_gpu.py) run the real kernels."""
 
+import dataclasses
 import inspect
 import math
 
@@ -21,7 +23,8 @@ FLASHMLA_PARAMS = ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v",
 
 class LseWriter(Recorder):
     """A recorder whose launch writes its last two arguments like a kernel that writes (out, lse): out 0, and
-    lse = 100 * row + head, or -inf on the rows in ``hidden`` (row indices of (total_q, H))."""
+    lse = 100 * row + head, or on the rows in ``hidden`` (row indices of (total_q, H)) -inf, as the kernels in the
+    package's shapes write it, or +inf, as those in FlashMLA's shapes do (lse (batch, H, s_q))."""
 
     hidden: set = set()
 
@@ -34,6 +37,13 @@ class LseWriter(Recorder):
             lse.copy_(torch.arange(rows)[:, None] * 100.0 + torch.arange(heads)[None, :])
             for r in self.hidden:
                 lse[r] = -math.inf
+        elif out.dtype == torch.bfloat16 and lse.dim() == 3:  # flash_io: out (b, s_q, H, 512), lse (b, H, s_q)
+            out.zero_()
+            batch, heads, s_q = lse.shape
+            rows = torch.arange(batch * s_q)[:, None] * 100.0 + torch.arange(heads)[None, :]
+            for r in self.hidden:
+                rows[r] = math.inf
+            lse.copy_(rows.view(batch, s_q, heads).transpose(1, 2))
 
 
 @pytest.fixture(autouse=True)
@@ -97,29 +107,63 @@ def test_signatures_are_flashmlas():
 # --- what a call launches ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "mxfp4"])
-@pytest.mark.parametrize("s_q,causal", [(1, False), (1, True), (3, True), (2, False)])
-def test_launches_what_mla_decode_launches(no_kernels, kv_format, s_q, causal):
-    """The same kernels with the same arguments as ``mla_decode`` on CSR offsets and the block table (one query
-    token: causal is FlashMLA's no-op, so the non-causal kernels); the caller's block table is what is read."""
-    kv_lens = [700, 0, 2900, 64]
+def flash_and_eager_launches(no_kernels, kv_lens, s_q, causal, kv_format):
+    """The launches of one ``flash_mla_with_kvcache`` call and of the ``mla_decode`` call on CSR offsets and the
+    block table that computes the same (one query token: causal is FlashMLA's no-op, so the non-causal kernels),
+    as [(config, args)]; with the call's tensors."""
     q, cache, table, seqlens, extras = paged_inputs(kv_lens, s_q=s_q, kv_format=kv_format)
     meta, _ = get_mla_metadata()
     call(q, cache, table, seqlens, meta, causal=causal, **extras)
-    flash = [(r.name, args) for r in no_kernels.values() for args in r.calls]
+    flash = [(cfg, args) for cfg, r in no_kernels.items() for args in r.calls]
     for r in no_kernels.values():
         r.calls.clear()
     op_kw = {"kv_scale": extras.get("descale_k"), "kv_block_scale": extras.get("kv_block_scale")}
-    mla.decode.mla_decode(q.view(-1, 16, 576), cache, torch.tensor(offsets([s_q] * 4), dtype=torch.int32),
+    mla.decode.mla_decode(q.view(-1, 16, 576), cache, torch.tensor(offsets([s_q] * len(kv_lens)), dtype=torch.int32),
                           torch.tensor(offsets(kv_lens), dtype=torch.int32), page_table=table,
                           causal=causal and s_q > 1, num_splits=meta.plan.num_splits, **op_kw)
-    eager = [(r.name, args) for r in no_kernels.values() for args in r.calls]
+    eager = [(cfg, args) for cfg, r in no_kernels.items() for args in r.calls]
+    return flash, eager, (q, cache, table, seqlens)
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("s_q,causal", [(1, False), (1, True), (3, True), (2, False)])
+def test_small_calls_launch_the_kernel_in_flashmlas_shapes(no_kernels, kv_format, s_q, causal):
+    """Where the split grid fits the GPU (here 4 sequences) the call launches once: the kernel mla_decode picks, in
+    its FlashMLA-shaped form (``flash_io``), given the caller's q, cache, cache_seqlens and block table themselves
+    (no view, no offsets) and outputs in FlashMLA's shapes; every other argument as mla_decode passes it."""
+    flash, eager, (q, cache, table, seqlens) = flash_and_eager_launches(no_kernels, [700, 0, 2900, 64], s_q, causal,
+                                                                       kv_format)
+    ((cfg, a),) = flash
+    ((eager_cfg, b),) = eager
+    assert eager_cfg.fused_combine and cfg == dataclasses.replace(eager_cfg, flash_io=True)
+    assert len(a) == 14 and len(b) == 15, "flash_io: cache_seqlens in place of qo_indptr and kv_indptr"
+    assert a[0] is q and a[1] is cache and a[6] is seqlens and a[7] is table
+    for x, y in zip(a[2:6], b[2:6]):  # mxfp4 block scales, their row stride, the Q and KV scales
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    assert a[8:10] == b[9:11], "sm_scale, num_splits"
+    for x, y in zip(a[10:12], b[11:13]):  # the split partials (the plan's; the eager call's scratch)
+        assert x.dtype == y.dtype and x.shape == y.shape
+    out, lse = a[12:]
+    assert out.shape == (4, s_q, 16, 512) and lse.shape == (4, 16, s_q) and out.is_contiguous() and lse.is_contiguous()
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("s_q,causal", [(1, False), (3, True)])
+def test_large_calls_launch_what_mla_decode_launches(no_kernels, kv_format, s_q, causal):
+    """A split grid larger than the GPU (200 sequences): the same kernels with the same arguments as
+    ``mla_decode``, on views of the caller's tensors; the caller's block table is what is read."""
+    flash, eager, (_, _, table, _) = flash_and_eager_launches(no_kernels, [700, 0, 2900, 64] * 50, s_q, causal,
+                                                            kv_format)
+    assert not any(getattr(cfg, "flash_io", False) for cfg, _ in flash)
+    flash = [(cfg.name, args) for cfg, args in flash]
+    eager = [(cfg.name, args) for cfg, args in eager]
     assert [n for n, _ in flash] == [n for n, _ in eager]
     for (name, a), (_, b) in zip(flash, eager):
         assert len(a) == len(b), name
         for i, (x, y) in enumerate(zip(a, b)):
             if isinstance(x, torch.Tensor):
-                semaphores = "fused" in name and i == len(a) - 3  # the plan's own; the eager call's per stream
+                # Semaphores (fused families that count splits): the plan's own; the eager call's per stream.
+                semaphores = x.dtype == torch.int32 and x.dim() == 1 and i == len(a) - 3
                 assert x.dtype == y.dtype and (semaphores or x.shape == y.shape), (name, i)
                 if x.dtype in (torch.int32, torch.bfloat16, torch.uint8) and i < len(a) - 5:  # inputs, not outputs
                     assert torch.equal(x, y), (name, i)
@@ -128,17 +172,22 @@ def test_launches_what_mla_decode_launches(no_kernels, kv_format, s_q, causal):
     assert any(a[8] is table for _, a in flash if len(a) > 9), "the caller's block table goes to the kernel"
 
 
+@pytest.mark.parametrize("repeat", [1, 70], ids=["flash-shaped-kernel", "views"])
 @pytest.mark.parametrize("s_q", [1, 3])
-def test_lse_layout_and_plus_inf(s_q):
-    """lse (batch, h_q, s_q), contiguous, from the kernel's (batch * s_q, h_q); -inf (nothing seen) becomes +inf."""
-    kv_lens = [0, 5, 900]
+def test_lse_layout_and_plus_inf(no_kernels, s_q, repeat):
+    """lse (batch, h_q, s_q), contiguous, +inf where nothing is seen: as the FlashMLA-shaped kernel writes it
+    (small calls), or from the package's kernels' (batch * s_q, h_q) with -inf there (a grid larger than the GPU)."""
+    kv_lens = [0, 5, 900] * repeat
+    batch = len(kv_lens)
     q, cache, table, seqlens, _ = paged_inputs(kv_lens, s_q=s_q)
-    LseWriter.hidden = set(range(s_q))  # the rows of the empty sequence
+    LseWriter.hidden = {3 * s_q * b + i for b in range(repeat) for i in range(s_q)}  # the empty sequences' rows
     meta, _ = get_mla_metadata()
     out, lse = call(q, cache, table, seqlens, meta, causal=True)
-    assert out.shape == (3, s_q, 16, 512) and lse.shape == (3, 16, s_q) and lse.is_contiguous()
-    expected = (torch.arange(3 * s_q)[:, None] * 100.0 + torch.arange(16)[None, :]).view(3, s_q, 16).transpose(1, 2)
-    expected[0] = math.inf
+    assert any(getattr(cfg, "flash_io", False) for cfg in no_kernels) == (repeat == 1)
+    assert out.shape == (batch, s_q, 16, 512) and lse.shape == (batch, 16, s_q) and lse.is_contiguous()
+    expected = (torch.arange(batch * s_q)[:, None] * 100.0 + torch.arange(16)[None, :]).view(batch, s_q, 16)
+    expected = expected.transpose(1, 2).contiguous()
+    expected[0::3] = math.inf
     torch.testing.assert_close(lse, expected)
 
 

@@ -1,7 +1,8 @@
 """FlashMLA's interface (``mla.flash_mla``) on the GPU: against the fp32 reference for every cache format (bf16, fp8
 with bf16 Q, a8w8 with FlashMLA's per-tensor descales, mxfp4), 16/64/128 heads, s_q 1-4 causal and every page
 size; against FlashMLA itself (the library ``$FLASHMLA_LEGACY_LIB`` names, bf16 and fp8 a8w8); one metadata object
-reused across calls (no re-plan, no host sync); CUDA-graph capture of the call, replayed with new lengths.
+reused across calls (no re-plan, no host sync); CUDA-graph capture of the call, replayed with new lengths; large
+batches (a split grid larger than the GPU: the package's kernels on views, not the FlashMLA-shaped kernel).
 
 Inputs: fresh random Q / KV per case (seeded from the case), shuffled pages with NaN in every slot the kernels must
 not read (``mla.inputs.to_paged``), a zero-length sequence, a sequence shorter than s_q (causal: queries that see
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 from mla import formats
-from mla.flash_mla import MLAMetadata, flash_mla_with_kvcache, get_mla_metadata
+from mla.flash_mla import MLAMetadata, _DirectRun, flash_mla_with_kvcache, get_mla_metadata
 from mla.inputs import make_ragged_inputs, to_paged
 from mla.target import spec_for_device
 
@@ -39,6 +40,7 @@ from test_host_path_gpu import sync_forbidden
 pytestmark = requires_gpu
 
 FLASHMLA_PAGE = 64
+FLASH = True  # kernel classes also launched in FlashMLA's shapes (helpers.launches)
 
 
 def case_inputs(mode, heads, s_q, page_size, seed, kv_lens=None):
@@ -120,7 +122,7 @@ GRID = ([(mode, heads, 1) for mode in MODES for heads in (16, 64, 128)]
         + [("bf16", heads, 2) for heads in (64, 128)])
 
 
-@launches(lambda mode, heads, s_q, **_: [(mode, heads, s_q, s_q > 1, FLASHMLA_PAGE)])
+@launches(lambda mode, heads, s_q, **_: [(mode, heads, s_q, s_q > 1, FLASHMLA_PAGE, FLASH)])
 @pytest.mark.parametrize("mode,heads,s_q", GRID, ids=[f"{m}-h{h}-sq{s}" for m, h, s in GRID])
 def test_against_the_reference(mode, heads, s_q):
     causal = s_q > 1
@@ -131,13 +133,27 @@ def test_against_the_reference(mode, heads, s_q):
     check(mode, data, out, lse, causal=causal, context=f"heads {heads}, s_q {s_q}, kv_lens {kv_lens}, {meta.plan}")
 
 
-@launches(lambda page_size, **_: [("bf16", 16, 2, True, page_size)])
+@launches(lambda page_size, **_: [("bf16", 16, 2, True, page_size, FLASH)])
 @pytest.mark.parametrize("page_size", [1, 16, 32, 128])
 def test_every_page_size(page_size):
     data, paged, table, kv_lens = case_inputs("bf16", 16, 2, page_size, seed=page_size)
     meta, _ = get_mla_metadata()
     out, lse = flash_call("bf16", data, paged, table, meta, causal=True)
     check("bf16", data, out, lse, causal=True, context=f"page size {page_size}, kv_lens {kv_lens}")
+
+
+@launches(lambda mode, s_q, **_: [(mode, 16, s_q, s_q > 1, FLASHMLA_PAGE, FLASH)])
+@pytest.mark.parametrize("mode,s_q", [("bf16", 1), ("a8w8", 2), ("mxfp4", 3)])
+def test_large_batches_run_the_package_kernels_on_views(mode, s_q):
+    """150 sequences: the split grid is larger than the GPU, so the call runs the package's kernels on views of its
+    tensors (not the FlashMLA-shaped one) and turns their LSE into FlashMLA's: the same results."""
+    rng = random.Random(s_q)
+    kv_lens = [0, 1] + [rng.randrange(1, 400) for _ in range(148)]
+    data, paged, table, _ = case_inputs(mode, 16, s_q, FLASHMLA_PAGE, seed=300 + s_q, kv_lens=kv_lens)
+    meta, _ = get_mla_metadata()
+    out, lse = flash_call(mode, data, paged, table, meta, causal=s_q > 1)
+    assert meta._runs and not any(isinstance(run, _DirectRun) for run in meta._runs.values()), meta.plan
+    check(mode, data, out, lse, causal=s_q > 1, context=f"150 sequences, s_q {s_q}, {meta.plan}")
 
 
 # Not declared with ``launches`` (its modes build bf16-Q kernels): the fp8-codes variants of this one class
@@ -153,7 +169,7 @@ def test_a8w8_with_fp8_q_codes_and_descales():
 # --- metadata reuse, the old calling pattern, CUDA graphs ------------------------------------------------------
 
 
-@launches(lambda **_: [("bf16", 16, 2, True, FLASHMLA_PAGE)])
+@launches(lambda **_: [("bf16", 16, 2, True, FLASHMLA_PAGE, FLASH)])
 def test_one_metadata_reused_across_layers():
     """Three "layers" (fresh Q and cache values, the same lengths and block table) through one metadata object:
     planned once, later calls without host-device synchronisation, each checked against the reference."""
@@ -173,9 +189,11 @@ def test_one_metadata_reused_across_layers():
         plans.append(meta.plan)
         check("bf16", data, out, lse, causal=True, context=f"layer {layer}, {meta.plan}")
     assert plans[0] is plans[1] is plans[2], "the metadata must be planned once"
+    # 5 sequences: the split grid fits the GPU, so every layer ran the kernel in FlashMLA's shapes (one launch).
+    assert [type(run) for run in meta._runs.values()] == [_DirectRun], meta._runs
 
 
-@launches(lambda **_: [("bf16", 16, 1, False, FLASHMLA_PAGE)])
+@launches(lambda **_: [("bf16", 16, 1, False, FLASHMLA_PAGE, FLASH)])
 def test_old_tensor_pattern():
     """get_mla_metadata(cache_seqlens, s_q * h_q, 1) -> (metadata, num_splits tensor), both passed back."""
     data, paged, table, kv_lens = case_inputs("bf16", 16, 1, FLASHMLA_PAGE, seed=5)
@@ -188,7 +206,7 @@ def test_old_tensor_pattern():
     assert torch.equal(num_splits.cpu(), expected), (num_splits, meta.plan)
 
 
-@launches(lambda mode, **_: [(mode, 16, 2, True, FLASHMLA_PAGE)])
+@launches(lambda mode, **_: [(mode, 16, 2, True, FLASHMLA_PAGE, FLASH)])
 @pytest.mark.parametrize("mode", ["bf16", "mxfp4"])
 def test_cuda_graph_capture_and_replay_with_new_lengths(mode):
     """Warm-up call (plans), capture one call, then replay after writing new Q values and *new lengths* into the
@@ -297,7 +315,7 @@ def flashmla_outputs(mode, heads, s_q):
     return (ref_out.cuda(), ref_lse.cuda()), None
 
 
-@launches(lambda mode, heads, s_q, **_: [(mode, heads, s_q, s_q > 1, FLASHMLA_PAGE)])
+@launches(lambda mode, heads, s_q, **_: [(mode, heads, s_q, s_q > 1, FLASHMLA_PAGE, FLASH)])
 @pytest.mark.parametrize("mode,heads,s_q", FLASHMLA_CASES, ids=[f"{m}-h{h}-sq{s}" for m, h, s in FLASHMLA_CASES])
 def test_against_flashmla(mode, heads, s_q):
     """The same call through FlashMLA's op and ours: outputs within the two kernels' rounding (bf16: relative L2

@@ -1,5 +1,7 @@
 """Scheduling is a pure function of host-known sizes: test its contract on the CPU."""
 
+import dataclasses
+
 import pytest
 
 from mla import schedule
@@ -111,3 +113,20 @@ def test_a_forced_fused_merge_splits_within_the_gpu_and_refuses_what_cannot_fit(
         select(H200, 200, 1024, fused_combine=True)  # more sequences than SMs: not even one split fits
     cfg, combine, _ = select(H200, 4, 1024, fused_combine=False)  # the two-kernel form, forced
     assert not cfg.fused_combine and combine is not None
+
+
+def test_only_the_one_launch_paged_kernel_has_a_flashmla_shaped_form():
+    """``flash_io_variant``: the block-level paged kernel with the merge fused gets FlashMLA's argument shapes (the
+    call where host time shows); flat caches, the two-kernel form, gfx942's wave program and the other families
+    keep the package's shapes; flash_io without a paged fused kernel is refused."""
+    paged_fused = schedule.decode_config(H200, kv_format="bf16", page_size=64, fused_combine=True)
+    flash = schedule.flash_io_variant(paged_fused)
+    assert flash.flash_io and flash.name != paged_fused.name and flash == dataclasses.replace(paged_fused, flash_io=True)
+    assert schedule.flash_io_variant(schedule.decode_config(H200, kv_format="bf16", fused_combine=True)) is None
+    assert schedule.flash_io_variant(schedule.decode_config(H200, kv_format="bf16", page_size=64)) is None
+    gfx942 = spec_for_name("gfx942")
+    assert all(schedule.flash_io_variant(c) is None for c in schedule.kernel_variants(gfx942))
+    ws = schedule.ws_config(H200, kv_format="bf16", q_format="bf16", num_heads=16, causal=False, page_size=64)
+    assert schedule.flash_io_variant(ws) is None
+    with pytest.raises(ValueError, match="flash_io"):
+        dataclasses.replace(schedule.decode_config(H200, kv_format="bf16", page_size=64), flash_io=True)

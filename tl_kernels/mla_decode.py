@@ -135,6 +135,9 @@ class DecodeKernelConfig:
     fp8_mfma: bool = False  # dim_split a8w8: Q K^T on the fp8 MFMA (e4m3fnuz operands straight from the cache)
     fused_combine: bool = False  # Hopper: the split count is an argument and the split merge runs inside the
     # kernel after a grid-wide barrier (one cooperative launch per call; the grid must fit the GPU at once)
+    flash_io: bool = False  # paged + fused: FlashMLA's argument shapes (``mla.flash_mla``), so its call makes no
+    # view: Q (batch, s_q, H, 576), the cache (num_blocks, page_size, 1, row), cache_seqlens (batch,) instead of
+    # the CSR offsets, Out (batch, s_q, H, 512) and LSE (batch, H, s_q), +inf where a query sees no token
 
     def __post_init__(self):
         if self.kv_format not in KV_FORMATS:
@@ -149,6 +152,8 @@ class DecodeKernelConfig:
             raise ValueError("fused_combine needs split=True and the block-level program (not dim_split)")
         if self.fp8_mfma and not (self.dim_split and self.kv_format == "fp8" and self.q_format != "bf16"):
             raise ValueError("fp8_mfma needs dim_split, an fp8 cache and fp8 Q (a8w8)")
+        if self.flash_io and not (self.fused_combine and self.page_size):
+            raise ValueError("flash_io needs fused_combine and a paged cache (page_size > 0)")
 
     @property
     def block_m(self) -> int:
@@ -194,7 +199,7 @@ class DecodeKernelConfig:
             f"{'' if self.stage_compressed or self.kv_format == 'bf16' else '_nostage'}"
             f"{f'_page{self.page_size}' if self.page_size else ''}{'_kvm' if self.kv_rows_as_m else ''}"
             f"{'_rows' + self.row_table_scope.replace('.', '') if self.row_table_scope != 'shared' and self.page_size else ''}"
-            f"{'_ds' if self.dim_split else ''}{'_f8mma' if self.fp8_mfma else ''}{'_fused' if self.fused_combine else ''}_{fp8}"
+            f"{'_ds' if self.dim_split else ''}{'_f8mma' if self.fp8_mfma else ''}{'_fused' if self.fused_combine else ''}{'_flash' if self.flash_io else ''}_{fp8}"
         )
 
 
@@ -226,6 +231,10 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
       fused_combine: num_splits int32, O_partial (o_len,) fp32 and LSE_partial (l_len,) fp32 (the split=True
                    partials flattened, >= num_splits * total_q * num_heads * 512 / * 1 elements when num_splits
                    > 1, else unused), then Out and LSE as split=False
+      paged: Page_table (batch, max_pages) int32 after kv_indptr; KV is the cache's rows (page * page_size + slot)
+      flash_io (FlashMLA's shapes, total_q = batch * s_q): Q (batch, s_q, num_heads, 576), KV (num_blocks,
+                   page_size, 1, row), cache_seqlens (batch,) int32 in place of qo_indptr and kv_indptr, Out (batch,
+                   s_q, num_heads, 512), LSE (batch, num_heads, s_q) with +inf where a query sees nothing
     """
     heads = cfg.num_heads
     block_h, block_n, block_m, q_tile = cfg.block_h, cfg.block_n, cfg.block_m, cfg.q_tile
@@ -237,9 +246,16 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
     accum_dtype = "float32"
     ln2 = 0.6931471805599453
 
-    total_q = T.dynamic("total_q")
+    if cfg.flash_io:  # every sequence has s_q queries; rows are (sequence, query) pairs
+        q_seqs, s_q = T.dynamic("batch"), T.dynamic("s_q")
+        total_q = q_seqs * s_q
+        indptr_len = None
+        num_seqs = q_seqs
+    else:
+        total_q = T.dynamic("total_q")
+        indptr_len = T.dynamic("indptr_len")
+        num_seqs = indptr_len - 1
     total_kv = T.dynamic("total_kv")
-    indptr_len = T.dynamic("indptr_len")
     scale_len = T.dynamic("scale_len")
     num_splits = T.dynamic("num_splits") if cfg.split and not cfg.fused_combine else 1
     fused = cfg.fused_combine
@@ -308,6 +324,9 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         with ``amax_in_kernel``, the amax this kernel reduced into it (read through L2, after the grid barrier)."""
         return merge_load(Q_scale, 0) if cfg.amax_in_kernel else Q_scale[0]
 
+    # The LSE of a query that sees no token: -inf, or FlashMLA's +inf (flash_io).
+    empty_lse = T.infinity(accum_dtype) if cfg.flash_io else -T.infinity(accum_dtype)
+
     @T.macro
     def write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg):
         # The final bf16 output and natural-log LSE of one query pass. denom == 0 means nothing was visible:
@@ -320,8 +339,11 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         for r in T.Parallel(block_m):
             qi = q_pass * q_tile + r // block_h
             if qi < q_len:
-                lse2 = T.if_then_else(denom[r] > 0, T.log2(denom[r]) + row_max[r], -T.infinity(accum_dtype))
-                LSE[q_begin + qi, hg * block_h + r % block_h] = lse2 * ln2
+                lse2 = T.if_then_else(denom[r] > 0, T.log2(denom[r]) + row_max[r], empty_lse)
+                if cfg.flash_io:  # (sequence, head, query)
+                    LSE[(q_begin + qi) // s_q, hg * block_h + r % block_h, (q_begin + qi) % s_q] = lse2 * ln2
+                else:
+                    LSE[q_begin + qi, hg * block_h + r % block_h] = lse2 * ln2
 
     @T.macro
     def write_partial(O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg, split_id):
@@ -400,9 +422,11 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                               merge_acc.access_ptr("r", offset=0),
                               T.if_then_else(merge_denom[0] > 0, 1.0 / merge_denom[0], 0))
                 if d == 0:
-                    LSE[q_row, head] = T.if_then_else(
-                        merge_denom[0] > 0, (T.log2(merge_denom[0]) + merge_max[0]) * ln2, -T.infinity(accum_dtype)
-                    )
+                    lse = T.if_then_else(merge_denom[0] > 0, (T.log2(merge_denom[0]) + merge_max[0]) * ln2, empty_lse)
+                    if cfg.flash_io:
+                        LSE[q_row // s_q, head, q_row % s_q] = lse
+                    else:
+                        LSE[q_row, head] = lse
 
     @T.macro
     def reduce_amax(Q, Amax_cell, Amax_bits, n_splits, tx, split_id, seq_id, hg):
@@ -410,8 +434,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         # the CTA's maximum goes into the zeroed cell by an integer atomic max on the float bits (|q| >= 0, so their
         # order is the floats'; a NaN's bits exceed inf's, so NaN wins as in torch's amax); after the grid barrier
         # every CTA reads the total through L2 (``merge_load``). Exact: the same amax as torch's reduction.
-        n_ctas = n_splits * (indptr_len - 1) * head_groups
-        cta = (hg * (indptr_len - 1) + seq_id) * n_splits + split_id
+        n_ctas = n_splits * num_seqs * head_groups
+        cta = (hg * num_seqs + seq_id) * n_splits + split_id
         total = total_q * heads * QK_DIM
         per_cta = T.ceildiv(total, n_ctas)
         lo = cta * per_cta
@@ -434,7 +458,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
     @T.macro
     def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
                     n_splits, O_partial, LSE_partial, Out, LSE):
-        with T.Kernel(n_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
+        with T.Kernel(n_splits, num_seqs, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
             Q_shared = T.alloc_shared([block_m, KV_LORA_RANK], compute_dtype)
             Qpe_shared = T.alloc_shared([block_m, ROPE_DIM], compute_dtype)
             KV_shared = T.alloc_shared([block_n, KV_LORA_RANK], compute_dtype)
@@ -470,10 +494,16 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                 tx = T.get_thread_binding()
 
             # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
-            kv_begin = T.alloc_var("int32", init=kv_indptr[seq_id])
-            kv_len = T.alloc_var("int32", init=kv_indptr[seq_id + 1] - kv_indptr[seq_id])
-            q_begin = T.alloc_var("int32", init=qo_indptr[seq_id])
-            q_len = T.alloc_var("int32", init=qo_indptr[seq_id + 1] - qo_indptr[seq_id])
+            if cfg.flash_io:  # kv_indptr is cache_seqlens; s_q queries per sequence (the paged rows need no offset)
+                kv_begin = T.alloc_var("int32", init=0)
+                kv_len = T.alloc_var("int32", init=kv_indptr[seq_id])
+                q_begin = T.alloc_var("int32", init=seq_id * s_q)
+                q_len = T.alloc_var("int32", init=s_q)
+            else:
+                kv_begin = T.alloc_var("int32", init=kv_indptr[seq_id])
+                kv_len = T.alloc_var("int32", init=kv_indptr[seq_id + 1] - kv_indptr[seq_id])
+                q_begin = T.alloc_var("int32", init=qo_indptr[seq_id])
+                q_len = T.alloc_var("int32", init=qo_indptr[seq_id + 1] - qo_indptr[seq_id])
             # Split s of a sequence covers [s * chunk, (s + 1) * chunk) of its tokens, chunk a multiple of block_n.
             chunk = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(kv_len, n_splits), block_n) * block_n)
             split_lo = T.alloc_var("int32", init=split_id * chunk)
@@ -628,6 +658,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
         dims = dict(
             total_q=total_q, total_kv=total_kv, indptr_len=indptr_len, scale_len=scale_len, num_splits=num_splits
         )
+        if cfg.flash_io:
+            dims.update(batch=q_seqs, s_q=s_q)
         return _paged_prim_func(cfg, decode_body, q_dtype, kv_dtype, kv_cols, dims)
     if fused:
         o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
@@ -703,6 +735,8 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
     num_splits = dims["num_splits"]
     batch, max_pages = T.dynamic("batch, max_pages")
 
+    if cfg.flash_io:
+        return _flash_prim_func(cfg, decode_body, q_dtype, kv_dtype, kv_cols, dims)
     if cfg.fused_combine:
         o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
 
@@ -770,6 +804,40 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
                     None, None, Out, LSE)
 
     return mla_decode_direct_paged
+
+
+def _flash_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtype: str, kv_cols: int, dims: dict):
+    """The paged fused kernel in FlashMLA's argument shapes (``flash_io``): the same body over row views of Q, the
+    cache and Out (``T.reshape``: no copy), the lengths read from cache_seqlens, the LSE as (batch, H, s_q)."""
+    heads, accum_dtype = cfg.num_heads, "float32"
+    batch, s_q, scale_len = dims["batch"], dims["s_q"], dims["scale_len"]
+    num_blocks, max_pages = T.dynamic("num_blocks, max_pages")
+    o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
+
+    @T.prim_func
+    def mla_decode_flash(
+        Q: T.Tensor([batch, s_q, heads, QK_DIM], q_dtype),
+        KV: T.Tensor([num_blocks, cfg.page_size, 1, kv_cols], kv_dtype),
+        KV_scales: T.Tensor([scale_len], "uint8"),
+        scale_stride: T.int32,
+        Q_scale: T.Tensor([1], accum_dtype),
+        KV_scale: T.Tensor([1], accum_dtype),
+        cache_seqlens: T.Tensor([batch], "int32"),
+        Page_table: T.Tensor([batch, max_pages], "int32"),
+        sm_scale: T.float32,
+        num_splits: T.int32,
+        O_partial: T.Tensor([o_len], accum_dtype),
+        LSE_partial: T.Tensor([l_len], accum_dtype),
+        Out: T.Tensor([batch, s_q, heads, KV_LORA_RANK], "bfloat16"),
+        LSE: T.Tensor([batch, heads, s_q], accum_dtype),
+    ):
+        Q_rows = T.reshape(Q, [batch * s_q, heads, QK_DIM])
+        KV_rows = T.reshape(KV, [num_blocks * cfg.page_size, kv_cols])
+        Out_rows = T.reshape(Out, [batch * s_q, heads, KV_LORA_RANK])
+        decode_body(Q_rows, KV_rows, KV_scales, scale_stride, Q_scale, KV_scale, None, cache_seqlens, Page_table,
+                    sm_scale, num_splits, O_partial, LSE_partial, Out_rows, LSE)
+
+    return mla_decode_flash
 
 
 
