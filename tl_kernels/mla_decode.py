@@ -422,11 +422,14 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                               merge_acc.access_ptr("r", offset=0),
                               T.if_then_else(merge_denom[0] > 0, 1.0 / merge_denom[0], 0))
                 if d == 0:
-                    lse = T.if_then_else(merge_denom[0] > 0, (T.log2(merge_denom[0]) + merge_max[0]) * ln2, empty_lse)
                     if cfg.flash_io:
+                        lse = T.if_then_else(merge_denom[0] > 0, (T.log2(merge_denom[0]) + merge_max[0]) * ln2,
+                                             empty_lse)
                         LSE[q_row // s_q, head, q_row % s_q] = lse
                     else:
-                        LSE[q_row, head] = lse
+                        LSE[q_row, head] = T.if_then_else(
+                            merge_denom[0] > 0, (T.log2(merge_denom[0]) + merge_max[0]) * ln2, empty_lse
+                        )
 
     @T.macro
     def reduce_amax(Q, Amax_cell, Amax_bits, n_splits, tx, split_id, seq_id, hg):
