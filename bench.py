@@ -887,6 +887,10 @@ def print_grid_summary(rows: list[dict], cases: list[Case], points: list[tuple[i
 
 
 def git_commit() -> str | None:
+    """The tree's commit: $MLA_GIT_COMMIT where set (a copied tree whose git metadata lags, e.g. the GPU host's),
+    else ``git rev-parse``."""
+    if os.environ.get("MLA_GIT_COMMIT"):
+        return os.environ["MLA_GIT_COMMIT"]
     try:
         result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_DIR, capture_output=True,
                                 text=True, timeout=10)
