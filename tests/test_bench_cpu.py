@@ -393,8 +393,9 @@ def test_command_line(argv):
 @pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
 def test_host_table_rows(monkeypatch, paged):
     """bench_host on the CPU (target forced, kernels recorded, the CUDA timers replaced): a row per mode for
-    mla_decode, one for DecodePlan.run and one for flash_mla_with_kvcache (64-token pages), and one per peer, each
-    with the three JSON fields, and the host's reference row (one torch launch)."""
+    mla_decode, one for DecodePlan.run and one for flash_mla_with_kvcache (64-token pages), one for the harness's
+    custom_kernel (flat caches only: it reads the flat bf16 cache), and one per peer, each with the three JSON fields,
+    and the host's reference row (one torch launch)."""
     import mla.decode
     from test_plan_cpu import Recorder
 
@@ -413,7 +414,8 @@ def test_host_table_rows(monkeypatch, paged):
     mla.decode.clear_caches()
     assert [(r["impl"], r["call"], r["plan"], r["peer"]) for r in rows] == [
         ("bf16", "eager", False, False), ("bf16", "plan.run", True, False), ("a8w8", "eager", False, False),
-        ("a8w8", "plan.run", True, False), ("bf16", "flash_mla", False, False), ("a8w8", "flash_mla", False, False),
+        ("a8w8", "plan.run", True, False), ("bf16", "flash_mla", False, False), ("a8w8", "flash_mla", False, False)
+    ] + ([] if paged else [("bf16", "custom_kernel", False, False)]) + [
         ("torch", "reference", False, False), ("fa3", "peer", False, True)]
     for row in rows:
         assert row["kind"] == "host" and row["case"] == "4x1024" and "error" not in row, row
