@@ -77,7 +77,7 @@ import torch  # noqa: E402
 
 from mla import formats, jit, schedule, target  # noqa: E402
 from mla.decode import (DEFAULT_SM_SCALE, SUPPORTED_HEADS, custom_kernel, harness_cache, mla_decode,  # noqa: E402
-                        page_size_of, plan, run_harness)
+                        page_size_of, plan)
 from mla.flash_mla import flash_mla_with_kvcache, get_mla_metadata  # noqa: E402
 from mla.inputs import HARNESS_SHAPES, make_harness_inputs, make_ragged_inputs, to_paged  # noqa: E402
 from mla.constants import KV_LORA_RANK, QK_DIM  # noqa: E402
@@ -349,19 +349,11 @@ def make_inputs(case: Case, q_len: int, heads: int, device: str):
     return make_ragged_inputs(list(case.kv_lens), q_len, num_heads=heads, seed=INPUT_SEED, device=device)
 
 
-def run_mode(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None,
-             overrides: dict | None = None) -> torch.Tensor:
-    """One mla_decode call in ``mode`` on the harness tuple ``data`` (paged caches come with ``page_table``;
-    ``overrides``: config overrides, --config / --rows)."""
-    if overrides:
-        return run_harness(data, mode, num_splits=num_splits, page_table=page_table, config_overrides=overrides)
-    return run_harness(data, mode, num_splits=num_splits, page_table=page_table)
-
-
 def eager_call(mode: str, data, num_splits: int | None = None, page_table: torch.Tensor | None = None,
                overrides: dict | None = None):
-    """The eager ``mla_decode`` call of ``run_mode``, its cache keywords taken from the harness tuple once (as
-    ``planned_call`` does): what the host table times as the op's eager call."""
+    """One eager ``mla_decode`` in ``mode`` on the harness tuple ``data``, as a callable: its cache keywords are taken
+    from the tuple once (as ``planned_call`` does), so the call itself is the op's alone (paged caches come with
+    ``page_table``; ``overrides``: config overrides, --config / --rows)."""
     q, kv_data, qo_indptr, kv_indptr, _ = data
     kv, cache_kwargs = harness_cache(kv_data, mode)
     if overrides:
@@ -583,7 +575,7 @@ def bench_modes(bench: Bench, case: Case, data, ref_fns: dict, comparisons: list
         if args.plan:
             fn = planned_call(mode, data, args.splits, page_table, overrides=overrides)
         else:
-            fn = lambda mode=mode: run_mode(mode, data, args.splits, page_table, overrides)  # noqa: E731
+            fn = eager_call(mode, data, args.splits, page_table, overrides)
         measure(bench, row, fn, reps=args.reps,
                 bytes_read=bytes_moved(case.batch, case.mean_kv_len, args.q_len, args.heads, mode),
                 ref_fn=ref_fns[mode] if args.check else None)
