@@ -1,4 +1,5 @@
-"""bench.py on the CPU: the AMD aiter peer against a fake ``aiter`` (no ROCm machine here), and the command line.
+"""bench.py on the CPU: the AMD aiter peer (mla_bench.peers) against a fake ``aiter`` (no ROCm machine here), the
+measurement rows and the host-cost table (mla_bench.measure, mla_bench.host), and the command line.
 
 The fake aiter has the signatures of amd-aiter's ``get_mla_metadata_info_v1``, ``get_mla_metadata_v1`` (aiter/ops/
 attention.py) and ``aiter.mla.mla_decode_fwd`` (aiter/mla.py), so a wrong argument name or count fails here; it
@@ -19,7 +20,9 @@ import pytest
 import torch
 
 import bench
-from tools import peers
+from mla_bench import host, measure, peers, report, timing
+from mla_bench.calls import reference_fns
+from mla_bench.cases import Case, bytes_moved, uniform_case
 from mla.inputs import make_ragged_inputs
 from mla.reference import mla_decode_reference
 
@@ -159,7 +162,7 @@ def test_not_on_rocm_does_nothing(monkeypatch, capsys):
     monkeypatch.setattr(peers, "load_flashinfer", lambda: (None, "no flashinfer here"))
     found = peers.setup_peers("cpu")
     assert [p.name for p in found] == list(peers.FLASHINFER)
-    bench.print_peers(found, argparse.Namespace(no_peers=False))
+    report.print_peers(found, argparse.Namespace(no_peers=False))
     out = capsys.readouterr().out
     assert "aiter: not on ROCm" in out.splitlines()
 
@@ -195,7 +198,7 @@ def test_amd_aiter_is_detected(monkeypatch, on_rocm, capsys):
     found = peers.setup_peers("cpu")
     assert [p.name for p in found] == [*peers.FLASHINFER, "aiter"]
     assert found[-1].module is fake.module and found[-1].reason is None
-    bench.print_peers(found, argparse.Namespace(no_peers=False))
+    report.print_peers(found, argparse.Namespace(no_peers=False))
     assert "aiter: amd-aiter " in capsys.readouterr().out
     assert fake.calls == []  # detection calls nothing
 
@@ -286,13 +289,13 @@ def cpu_timer(fn, *, reps, warmup, flush):
 
 
 def run_bench_peers(monkeypatch, fake, check=True):
-    monkeypatch.setattr(bench, "time_call_us", cpu_timer)
+    monkeypatch.setattr(timing, "time_call_us", cpu_timer)
     args = argparse.Namespace(q_len=1, heads=16, reps=3, check=check)
     found = [peers.Peer("fa3", reason="no flashinfer"), aiter_peer(fake)]
-    b = bench.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=found)
-    case = bench.Case("ragged3", (5, 40, 17))
+    b = measure.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=found)
+    case = Case("ragged3", (5, 40, 17))
     data = make_ragged_inputs(list(case.kv_lens), 1, num_heads=16, device="cpu")
-    return case, bench.bench_peers(b, case, data, bench.reference_fns(data))
+    return case, measure.bench_peers(b, case, data, reference_fns(data))
 
 
 def test_bench_peers_times_aiter(monkeypatch, on_rocm, capsys):
@@ -301,19 +304,19 @@ def test_bench_peers_times_aiter(monkeypatch, on_rocm, capsys):
     assert [r["impl"] for r in rows] == ["aiter"]  # fa3 is unavailable: said once in the header, no row
     row = rows[0]
     assert row["kind"] == "peer" and row["reps"] == 3 and "error" not in row
-    assert row["bytes_read"] == bench.bytes_moved(case.batch, case.mean_kv_len, 1, 16, "a8w8")
+    assert row["bytes_read"] == bytes_moved(case.batch, case.mean_kv_len, 1, 16, "a8w8")
     assert row["check_ok"] and row["rel_l2"] < 1e-2
     assert fake.names().count("get_mla_metadata_v1") == 1
-    assert fake.names().count("mla_decode_fwd") == 1 + bench.WARMUP_CALLS + 3  # check call, warm-up, reps
+    assert fake.names().count("mla_decode_fwd") == 1 + timing.WARMUP_CALLS + 3  # check call, warm-up, reps
     assert "aiter" in capsys.readouterr().out
-    assert bench.timed_impls(rows, ("peer",)) == ["aiter"]
+    assert report.timed_impls(rows, ("peer",)) == ["aiter"]
 
 
 def test_bench_peers_reports_aiter_failure_and_goes_on(monkeypatch, on_rocm):
     fake = FakeAiter(fail_decode=True).install(monkeypatch)
     _, rows = run_bench_peers(monkeypatch, fake, check=False)
     assert rows[0]["error"].startswith("RuntimeError: fake aiter")
-    assert "unavailable: RuntimeError: fake aiter" in bench.format_row(rows[0])
+    assert "unavailable: RuntimeError: fake aiter" in report.format_row(rows[0])
 
     fake = FakeAiter().install(monkeypatch)
 
@@ -326,7 +329,7 @@ def test_bench_peers_reports_aiter_failure_and_goes_on(monkeypatch, on_rocm):
     monkeypatch.setattr(peers, "load_aiter", lambda: (peer.module, None))
     _, rows = run_bench_peers(monkeypatch, fake, check=False)
     assert rows[0]["error"].startswith("setup failed: TypeError")
-    assert bench.format_row(rows[0]).split("aiter", 1)[1].strip().startswith("unavailable: setup failed")
+    assert report.format_row(rows[0]).split("aiter", 1)[1].strip().startswith("unavailable: setup failed")
 
 
 # ---------------------------------------------------------------------------- FlashInfer reading our pages
@@ -392,10 +395,10 @@ def test_command_line(argv):
 
 @pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
 def test_host_table_rows(monkeypatch, paged):
-    """bench_host on the CPU (target forced, kernels recorded, the CUDA timers replaced): a row per mode for
-    mla_decode, one for DecodePlan.run and one for flash_mla_with_kvcache (64-token pages), one for the harness's
-    custom_kernel (flat caches only: it reads the flat bf16 cache), and one per peer, each with the three JSON fields,
-    and the host's reference row (one torch launch)."""
+    """mla_bench.host.bench_host on the CPU (target forced, kernels recorded, the CUDA timers replaced): a row per
+    mode for mla_decode, one for DecodePlan.run and one for flash_mla_with_kvcache (64-token pages), one for the
+    harness's custom_kernel (flat caches only: it reads the flat bf16 cache), and one per peer, each with the three
+    JSON fields, and the host's reference row (one torch launch)."""
     import mla.decode
     from test_plan_cpu import Recorder
 
@@ -403,14 +406,14 @@ def test_host_table_rows(monkeypatch, paged):
     monkeypatch.setattr(mla.decode.jit, "get_launcher", lambda cfg, spec: Recorder(cfg.name))
     mla.decode.clear_caches()
     calls = []
-    monkeypatch.setattr(bench, "sleep_cycles_per_us", lambda: 1000.0)
-    monkeypatch.setattr(bench, "host_us_per_call", lambda fn, n: calls.append(fn()) or 20.0)
-    monkeypatch.setattr(bench, "gpu_us_per_call", lambda fn, n, host_us, cycles: {"gpu_us": 12.5, "queued": True})
+    monkeypatch.setattr(timing, "sleep_cycles_per_us", lambda: 1000.0)
+    monkeypatch.setattr(timing, "host_us_per_call", lambda fn, n: calls.append(fn()) or 20.0)
+    monkeypatch.setattr(timing, "gpu_us_per_call", lambda fn, n, host_us, cycles: {"gpu_us": 12.5, "queued": True})
     flashinfer = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeMLAWrapper))
     args = bench.parse_args(["--modes", "bf16,a8w8", "--host-calls", "7"] + (["--page-size", "16"] if paged else []))
     found = [peers.Peer("fa3", module=flashinfer), peers.Peer("fa2", reason="not installed")]
-    b = bench.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=found)
-    rows = bench.bench_host(b, bench.uniform_case(*args.host_shape[0]))
+    b = measure.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=found)
+    rows = host.bench_host(b, uniform_case(*args.host_shape[0]))
     mla.decode.clear_caches()
     assert [(r["impl"], r["call"], r["plan"], r["peer"]) for r in rows] == [
         ("bf16", "eager", False, False), ("bf16", "plan.run", True, False), ("a8w8", "eager", False, False),
@@ -421,14 +424,14 @@ def test_host_table_rows(monkeypatch, paged):
         assert row["kind"] == "host" and row["case"] == "4x1024" and "error" not in row, row
         assert row["host_us_per_call"] == 20.0 and row["gpu_us_per_call"] == 12.5 and row["host_overhead_us"] == 7.5
         assert row["calls"] == 7 and row["gpu_time_queued"]
-    assert len(calls) == len(rows) * bench.HOST_ROUNDS
+    assert len(calls) == len(rows) * host.HOST_ROUNDS
     flash = [c for c in calls if isinstance(c, tuple)]  # flash_mla_with_kvcache: (out, lse), FlashMLA's shapes
-    assert len(flash) == 2 * bench.HOST_ROUNDS
+    assert len(flash) == 2 * host.HOST_ROUNDS
     assert all(out.shape == (4, 1, 16, 512) and lse.shape == (4, 16, 1) for out, lse in flash)
     reference = [c for c in calls if not isinstance(c, tuple) and c.shape == (1,)]  # the torch launch's cell
-    assert len(reference) == bench.HOST_ROUNDS
+    assert len(reference) == host.HOST_ROUNDS
     assert all(out.shape == (4, 16, 512) for out in calls if not isinstance(out, tuple) and out.shape != (1,))
-    bench.print_host_summary(rows)
+    host.print_host_summary(rows)
 
 
 def test_host_shape_option():

@@ -260,7 +260,7 @@ def flashmla_ops():
     if not os.environ.get("FLASHMLA_LEGACY_LIB"):
         pytest.skip("$FLASHMLA_LEGACY_LIB not set: FlashMLA's library is not available (source .device/env.sh on the "
                     "GPU host after ../shared/device/make-flashmla.sh)")
-    from tools.peers import load_flashmla
+    from mla_bench.peers import load_flashmla
 
     ops, reason = load_flashmla()
     if ops is None:

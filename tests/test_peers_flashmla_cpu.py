@@ -1,4 +1,4 @@
-"""The FlashMLA peer of bench.py (tools/peers.py) on the CPU, against a fake op library.
+"""The FlashMLA peer of bench.py (mla_bench/peers.py) on the CPU, against a fake op library.
 
 The fake registers, under its own torch.library namespace, the three ops of SGLang's FlashMLA fork with the schemas
 the real library registers (see ../shared/device/make-flashmla.sh), so a wrong argument count or type fails in the
@@ -13,10 +13,12 @@ import math
 import pytest
 import torch
 
-import bench
 from mla.inputs import make_ragged_inputs, to_paged
 from mla.reference import mla_decode_reference
-from tools import peers
+from mla_bench import measure, peers, timing
+from mla_bench.calls import reference_fns
+from mla_bench.cases import Case, bytes_moved
+from mla_bench.report import timed_impls
 
 NAMESPACE = "flash_mla_legacy_fake"
 SCHEMAS = {
@@ -174,7 +176,7 @@ def test_call_sequence_and_output(fake_flashmla, name, heads, q_len, layout):
     data = make_ragged_inputs(kv_lens, q_len, num_heads=heads, seed=4, device="cpu")
     q, kv_data, qo_indptr, kv_indptr, _ = data
     paging = None if layout == "flat" else to_paged(data, int(layout[4:]), seed=2)
-    ref_fns = bench.reference_fns(data)
+    ref_fns = reference_fns(data)
     shared = {}
     fn, ref_fn, bytes_mode = peers.peer_callable(flashmla_peer(name), data, heads, ref_fns, paging, shared)
     fp8 = name == "flashmla-fp8"
@@ -215,7 +217,7 @@ def test_call_sequence_and_output(fake_flashmla, name, heads, q_len, layout):
 def test_ragged_query_lengths_are_refused(fake_flashmla):
     data = make_ragged_inputs([5, 9], [1, 2], num_heads=16, device="cpu")
     with pytest.raises(ValueError, match="one q_len for every sequence"):
-        peers.peer_callable(flashmla_peer("flashmla-bf16"), data, 16, bench.reference_fns(data))
+        peers.peer_callable(flashmla_peer("flashmla-bf16"), data, 16, reference_fns(data))
 
 
 def cpu_timer(fn, *, reps, warmup, flush):
@@ -225,18 +227,18 @@ def cpu_timer(fn, *, reps, warmup, flush):
 
 
 def test_bench_peers_times_and_checks_both(monkeypatch, fake_flashmla):
-    monkeypatch.setattr(bench, "time_call_us", cpu_timer)
+    monkeypatch.setattr(timing, "time_call_us", cpu_timer)
     found = [p for p in peers.setup_peers("cpu") if p.reason is None]
     args = argparse.Namespace(q_len=1, heads=16, reps=3, check=True)
-    b = bench.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=found)
-    case = bench.Case("ragged3", (5, 40, 170))
+    b = measure.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=1000.0, peers=found)
+    case = Case("ragged3", (5, 40, 170))
     data = make_ragged_inputs(list(case.kv_lens), 1, num_heads=16, device="cpu")
-    rows = bench.bench_peers(b, case, data, bench.reference_fns(data))
+    rows = measure.bench_peers(b, case, data, reference_fns(data))
     assert [r["impl"] for r in rows] == ["flashmla-bf16", "flashmla-fp8"]
     for row in rows:
         assert "error" not in row and row["check_ok"], row
-    assert rows[1]["bytes_read"] == bench.bytes_moved(case.batch, case.mean_kv_len, 1, 16, "a8w8")
-    assert names().count("dense_decode_fwd") == 1 + 1 + bench.WARMUP_CALLS + 3  # plan, check, warm-up, reps
-    assert bench.timed_impls(rows + [{"impl": "bf16", "kind": "mode", "time_us": 1.0},
-                                     {"impl": "a8w8", "kind": "mode", "time_us": 1.0}], ("mode", "peer")) == [
+    assert rows[1]["bytes_read"] == bytes_moved(case.batch, case.mean_kv_len, 1, 16, "a8w8")
+    assert names().count("dense_decode_fwd") == 1 + 1 + timing.WARMUP_CALLS + 3  # plan, check, warm-up, reps
+    assert timed_impls(rows + [{"impl": "bf16", "kind": "mode", "time_us": 1.0},
+                               {"impl": "a8w8", "kind": "mode", "time_us": 1.0}], ("mode", "peer")) == [
         "bf16", "flashmla-bf16", "a8w8", "flashmla-fp8"], "each FlashMLA kernel beside the modes it compares with"

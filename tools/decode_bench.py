@@ -24,8 +24,8 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from bench import FLUSH_BYTES, measure_read_ceiling, time_call_us  # noqa: E402
 from mla import formats  # noqa: E402
+from mla_bench.timing import FLUSH_BYTES, measure_read_ceiling, time_call_us  # noqa: E402
 from mla.target import spec_for_device, spec_for_name  # noqa: E402
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig, mla_decode_stream_kernel  # noqa: E402
 

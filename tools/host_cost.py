@@ -38,9 +38,10 @@ os.environ.setdefault("MLA_TARGET", "sm_90a")
 
 import torch  # noqa: E402
 
-import bench  # noqa: E402
 from mla import jit  # noqa: E402
 from mla.constants import MODES  # noqa: E402
+from mla_bench import timing  # noqa: E402
+from mla_bench.calls import flash_mla_extras  # noqa: E402
 
 ROUNDS = 5
 DEVICE = "meta"  # --device sets it
@@ -109,7 +110,7 @@ def per_call_us(fn, calls: int) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _cycles_per_us() -> float:
-    return bench.sleep_cycles_per_us()
+    return timing.sleep_cycles_per_us()
 
 
 def callables(mode: str, args, page_size: int):
@@ -141,7 +142,7 @@ def callables(mode: str, args, page_size: int):
         # pattern reads them); on cuda, FlashMLA's current pattern (filled by the first call).
         meta = MLAMetadata(kv_lens) if DEVICE == "meta" else get_mla_metadata()[0]
         q4 = q.view(args.batch, 1, args.heads, 576)
-        flash_kw = bench.flash_mla_extras(kwargs)
+        flash_kw = flash_mla_extras(kwargs)
 
         def flash():
             return flash_mla_with_kvcache(q4, kv, table, seqlens, 512, meta, is_fp8_kvcache=kwargs["kv_format"] == "fp8",
@@ -378,7 +379,7 @@ def print_idle(args) -> int:
     for name, fn in fns.items():
         held = per_call_us(fn, calls)
         enqueue, total = idle_per_call_us(fn, calls)
-        gpu = statistics.median(bench.gpu_us_per_call(fn, 50, held, _cycles_per_us())["gpu_us"] for _ in range(3))
+        gpu = statistics.median(timing.gpu_us_per_call(fn, 50, held, _cycles_per_us())["gpu_us"] for _ in range(3))
         print(f"  {name:<56} {held:8.2f} | {enqueue:8.2f} {total:8.2f} | {gpu:8.2f}", flush=True)
     from torch.profiler import ProfilerActivity, profile
 
@@ -423,7 +424,7 @@ def print_a8w8_options(args) -> int:
     gpu = None
     if DEVICE == "cuda":
         cycles = _cycles_per_us()
-        gpu = lambda fn, host: bench.gpu_us_per_call(fn, 50, host, cycles)["gpu_us"]  # noqa: E731
+        gpu = lambda fn, host: timing.gpu_us_per_call(fn, 50, host, cycles)["gpu_us"]  # noqa: E731
     print(f"a8w8 amax(|q|) of q ({args.batch}, {args.heads}, 576) on {DEVICE}: host us per call"
           + (", GPU us per call" if gpu else ""))
     for name, fn in options.items():

@@ -17,11 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import bench  # noqa: E402
 from mla.constants import MODES  # noqa: E402
 from mla.decode import run_harness  # noqa: E402
 from mla.inputs import to_paged  # noqa: E402
 from mla.reference import harness_reference  # noqa: E402
+from mla_bench.calls import make_inputs, planned_call  # noqa: E402
+from mla_bench.cases import uniform_case  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("mode", choices=list(MODES))
@@ -37,14 +38,14 @@ parser.add_argument("--reps", type=int, default=3)
 parser.add_argument("--rows", action="store_true", help="opt into the 64-row kernel class (config_overrides rows=True)")
 args = parser.parse_args()
 
-data = bench.make_inputs(bench.uniform_case(args.batch, args.kv_len), args.q_len, args.heads, "cuda")
+data = make_inputs(uniform_case(args.batch, args.kv_len), args.q_len, args.heads, "cuda")
 run_data, page_table = data, None
 if args.page_size:
     paged, page_table = to_paged(data, args.page_size)
     run_data = (data[0], paged, *data[2:])
 if args.plan:
-    call = bench.planned_call(args.mode, run_data, args.splits, page_table, causal=args.causal,
-                              overrides={"rows": True} if args.rows else None)
+    call = planned_call(args.mode, run_data, args.splits, page_table, causal=args.causal,
+                        overrides={"rows": True} if args.rows else None)
 else:
     def call():
         extra = {"config_overrides": {"rows": True}} if args.rows else {}

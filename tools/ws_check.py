@@ -111,10 +111,10 @@ def check(spec, args) -> list[dict]:
 
 
 def time_us(fn, flush, reps: int) -> float:
-    """Median us of ``fn()`` over ``reps`` cold-L2 reps: bench.py's timing (``bench.time_call_us``)."""
-    import bench
+    """Median us of ``fn()`` over ``reps`` cold-L2 reps: bench.py's timing (``mla_bench.timing.time_call_us``)."""
+    from mla_bench.timing import time_call_us
 
-    return statistics.median(bench.time_call_us(fn, reps=reps, warmup=3, flush=flush))
+    return statistics.median(time_call_us(fn, reps=reps, warmup=3, flush=flush))
 
 
 def split_candidates(batch, kv_len):

@@ -92,9 +92,9 @@ def status_lines(peers: list[Peer]) -> list[str]:
 
 def peer_callable(peer: Peer, data, heads: int, ref_fns: dict, paging=None, shared: dict | None = None):
     """(the call to time, its reference function, the mode whose bytes it moves) for one peer; setup untimed.
-    ``ref_fns``: mode -> the fp32 reference of that mode (bench.reference_fns). ``paging``: (paged caches, page
-    table) to read the KV through (FlashInfer; FlashMLA when its pages hold 64 tokens; aiter always reads page size
-    1). ``shared``: a dict the peers of one case share their setup in (FlashMLA's 64-token pages)."""
+    ``ref_fns``: mode -> the fp32 reference of that mode (``mla_bench.calls.reference_fns``). ``paging``: (paged
+    caches, page table) to read the KV through (FlashInfer; FlashMLA when its pages hold 64 tokens; aiter always reads
+    page size 1). ``shared``: a dict the peers of one case share their setup in (FlashMLA's 64-token pages)."""
     if peer.name == AITER:
         fn, ref_fn = aiter_callable(peer, data, heads)
         return fn, ref_fn, BYTES_MODE[AITER]

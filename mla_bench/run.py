@@ -1,0 +1,79 @@
+"""A whole benchmark run from the parsed command line (``bench.py``'s ``args``) and its cases.
+
+``run_benchmark`` (a CUDA device): the header and the read ceiling, every case at every (heads, q_len) point, the
+host-cost table, then the JSON / plot and the summary tables; exit status 1 when one of our calls failed.
+``compile_only`` (no CUDA device): compiles, for sm_90a on the CPU, every kernel variant the same command line would
+launch, after the table of modelled split counts; exit status 1 when a variant failed to compile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla import jit, target
+from mla_bench import peers as peer_lib
+from mla_bench.cases import Case, at_point, grid_points, selected_kernels, uniform_case
+from mla_bench.host import bench_host, print_host_summary
+from mla_bench.jsonio import write_json
+from mla_bench.measure import Bench, bench_case
+from mla_bench.plots import write_plot
+from mla_bench.report import (print_ceiling, print_grid_summary, print_header, print_peers, print_split_table,
+                              print_summary)
+from mla_bench.timing import FLUSH_BYTES, measure_read_ceiling
+
+DEVICE = "cuda"
+
+
+def compile_only(args, cases: list[Case]) -> int:
+    """No GPU: build, for sm_90a, every kernel variant this command line would run; 0 when all compiled."""
+    print("no CUDA device: timing skipped. Compiling the kernel variants this run would use, for sm_90a, on the CPU.")
+    spec = target.spec_for_name("sm_90a")
+    cases = list(dict.fromkeys(cases + [uniform_case(*shape) for shape in args.host_shape]))  # + the host table's
+    print_split_table(spec, cases, args)
+    configs = list(dict.fromkeys(
+        cfg for heads, q_len in grid_points(args) for case in cases for mode in args.modes
+        for cfg in selected_kernels(spec, mode, case, at_point(args, heads, q_len))[:2] if cfg is not None
+    ))
+    failures = 0
+    for i, cfg in enumerate(configs, 1):  # jit logs one line per build ("... ready in N s")
+        try:
+            jit.get_kernel(cfg, spec)
+        except Exception as exc:  # noqa: BLE001 - report every variant, then fail at the end
+            failures += 1
+            print(f"[{i}/{len(configs)}] {cfg.name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+    print(f"{len(configs) - failures} of {len(configs)} kernel variants compiled for {spec.name}")
+    return 1 if failures else 0
+
+
+def run_benchmark(args, cases: list[Case]) -> int:
+    """Time every case at every grid point, then the host table; print, and write JSON / plot if asked."""
+    device_name = torch.cuda.get_device_name()
+    spec = target.spec_for_device(torch.device(DEVICE))
+    print_header(args, spec, device_name)
+    ceiling = measure_read_ceiling(DEVICE)
+    print_ceiling(ceiling)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
+    peers = [] if args.no_peers else peer_lib.setup_peers(DEVICE)
+    print_peers(peers, args)
+    bench = Bench(args=args, spec=spec, device=DEVICE, flush=flush, ceiling_gbps=ceiling["gbps"], peers=peers)
+    rows = []
+    points = grid_points(args)
+    for heads, q_len in points:
+        bench.args = at_point(args, heads, q_len)
+        for case in cases:
+            rows += bench_case(bench, case)
+    bench.args = args
+    for shape in args.host_shape:
+        rows += bench_host(bench, uniform_case(*shape))
+    if args.json:
+        write_json(args.json, rows, ceiling, args, device_name)
+    if args.plot:
+        title = f"MLA decode, {device_name}, q_len {args.q_len}, {args.heads} heads"
+        write_plot(args.plot, rows, cases, ceiling["gbps"], title)
+    for heads, q_len in points:
+        at = [r for r in rows if r["kind"] == "host" or (r.get("heads"), r.get("q_len")) == (heads, q_len)]
+        print_summary(at, cases, ceiling["gbps"], at_point(args, heads, q_len))
+    if len(points) > 1:
+        print_grid_summary(rows, cases, points, args)
+    print_host_summary(rows)
+    return 1 if any(r["kind"] in ("mode", "host") and "error" in r and not r.get("peer") for r in rows) else 0

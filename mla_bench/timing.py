@@ -1,0 +1,104 @@
+"""GPU timing, as the competition harness times, and the host-cost timers.
+
+``time_call_us``: CUDA events around ONE call, the L2 flushed (a ``FLUSH_BYTES`` write) before each rep and the host
+synchronized after it: per-rep microseconds, of which the callers take the median. ``measure_read_ceiling``: the read
+bandwidth ``torch.sum`` achieves over 4 GiB of bf16, the denominator of "% of the read ceiling".
+``host_us_per_call``: wall time per call of calls back to back (warm L2); ``gpu_us_per_call``: their GPU time with
+the GPU never waiting for the host (the calls queued behind a ``torch.cuda._sleep`` kernel). All times in us.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import torch
+
+WARMUP_CALLS = 5  # untimed calls before the reps of time_call_us
+DEFAULT_REPS = 50
+FLUSH_BYTES = 256 * 2**20  # >= 256 MB written before each rep: the H200's L2 is 50 MiB
+CEILING_BYTES = 4 * 2**30  # torch.sum over this many bytes of bf16 (half of it when memory is short)
+CEILING_REPS = 10
+HOST_WARMUP_CALLS = 20  # untimed calls before a host_us_per_call loop
+
+
+def time_call_us(fn, *, reps: int, warmup: int, flush: torch.Tensor | None) -> list[float]:
+    """Per-rep times (us) of ``fn()``: CUDA events around one call, the L2 flushed (``flush.zero_()``) before each
+    rep and the host synchronized after each, as the competition harness does."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times_us = []
+    for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times_us.append(start.elapsed_time(end) * 1e3)
+    return times_us
+
+
+def gbps_of(bytes_read: float, time_us: float) -> float:
+    """GB/s (1e9 bytes per second) of ``bytes_read`` bytes in ``time_us`` us."""
+    return bytes_read / time_us / 1e3
+
+
+def measure_read_ceiling(device: str) -> dict:
+    """Read bandwidth that torch.sum over a 4 GiB bf16 tensor (2 GiB if memory is short) achieves; median.
+    ``{"bytes", "time_us", "gbps", "times_us"}``."""
+    free_bytes, _ = torch.cuda.mem_get_info()
+    nbytes = CEILING_BYTES if free_bytes > 2 * CEILING_BYTES else CEILING_BYTES // 2
+    data = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)  # 2 bytes per bf16
+    times_us = time_call_us(functools.partial(torch.sum, data), reps=CEILING_REPS, warmup=2, flush=None)
+    del data
+    torch.cuda.empty_cache()
+    time_us = statistics.median(times_us)
+    return {"bytes": nbytes, "time_us": time_us, "gbps": gbps_of(nbytes, time_us), "times_us": times_us}
+
+
+def host_us_per_call(fn, calls: int) -> float:
+    """Wall time per call of ``calls`` calls back to back (the host enqueues them; one synchronisation at the end):
+    what a caller that launches nothing else sees. When the host is faster than the GPU this is the GPU time."""
+    for _ in range(HOST_WARMUP_CALLS):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def sleep_cycles_per_us() -> float:
+    """GPU clock cycles per microsecond of ``torch.cuda._sleep`` (measured once with CUDA events)."""
+    cycles = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles // 10)  # warm-up
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
+
+
+def gpu_us_per_call(fn, calls: int, host_us: float, cycles_per_us: float) -> dict:
+    """The GPU time of one call with the GPU never waiting for the host: a sleep kernel holds the stream while the
+    host enqueues ``calls`` calls, and CUDA events around the calls time them back to back (launch gaps between a
+    call's kernels included). ``queued``: the host finished enqueuing before the sleep ended (else the GPU may have
+    waited, and the time is an upper bound)."""
+    sleep_us = 2.0 * calls * host_us + 2000.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(sleep_us * cycles_per_us))
+    start.record()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    enqueue_us = (time.perf_counter() - begin) * 1e6
+    end.record()
+    torch.cuda.synchronize()
+    return {"gpu_us": start.elapsed_time(end) * 1e3 / calls, "queued": enqueue_us < sleep_us}
