@@ -5,11 +5,14 @@
     python tools/one_call.py a8w8 4 1024 --q-len 8 --causal         # MTP
     python tools/one_call.py fp8 4 1024 64 --heads 64 --plan        # through mla.decode.plan(...).run(...)
     python tools/one_call.py bf16 4 1024 --heads 128 --q-len 2 --causal --rows --splits 3   # the 64-row kernel
+    python tools/one_call.py fp8 64 8192 --config '{"ws": true}' --splits 1   # the warp-specialised kernel, forced
+    python tools/one_call.py fp8 64 8192 --config '{"ws": false}'             # the 16/32/64-row kernel, forced
 
 Exits 1 when the output has a NaN/inf or is off the fp32 reference by more than the tests' tolerance.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -36,7 +39,10 @@ parser.add_argument("--splits", type=int, default=None)
 parser.add_argument("--plan", action="store_true", help="call mla.decode.plan(...).run(...) instead of mla_decode")
 parser.add_argument("--reps", type=int, default=3)
 parser.add_argument("--rows", action="store_true", help="opt into the 64-row kernel class (config_overrides rows=True)")
+parser.add_argument("--config", type=json.loads, default=None, metavar="JSON",
+                    help='kernel config overrides (as bench.py --config), e.g. \'{"ws": true}\'')
 args = parser.parse_args()
+overrides = dict(args.config or {}, **({"rows": True} if args.rows else {})) or None
 
 data = make_inputs(uniform_case(args.batch, args.kv_len), args.q_len, args.heads, "cuda")
 run_data, page_table = data, None
@@ -44,13 +50,11 @@ if args.page_size:
     paged, page_table = to_paged(data, args.page_size)
     run_data = (data[0], paged, *data[2:])
 if args.plan:
-    call = planned_call(args.mode, run_data, args.splits, page_table, causal=args.causal,
-                        overrides={"rows": True} if args.rows else None)
+    call = planned_call(args.mode, run_data, args.splits, page_table, causal=args.causal, overrides=overrides)
 else:
     def call():
-        extra = {"config_overrides": {"rows": True}} if args.rows else {}
         return run_harness(run_data, args.mode, page_table=page_table, num_splits=args.splits, causal=args.causal,
-                           **extra)
+                           config_overrides=overrides)
 for _ in range(args.reps):
     out = call()
 torch.cuda.synchronize()
