@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import time
 
 import torch
 
@@ -210,57 +209,28 @@ def classes_of_items(items):
 
 def kernel_configs(spec, classes):
     """The kernels the op may launch for problem classes ``(mode, num_heads, q_tile, causal, page_size, flash)``
-    (``schedule.decode_variants``); on Hopper's 16-row class also the warp-specialised kernel; with ``flash``
-    also the FlashMLA-shaped form of each (``schedule.flash_io_variant``)."""
-    from mla import schedule
+    (``mla.prebuild.class_variants``: ``schedule.decode_variants``; on Hopper's 16-row class also the
+    warp-specialised kernel, for every format, since tests force it; with ``flash`` also the FlashMLA-shaped form of
+    each, ``schedule.flash_io_variant``)."""
+    from mla import prebuild as mla_prebuild
 
+    every_format = tuple(dict.fromkeys(kv for kv, _ in MODE_FORMATS.values()))
     configs = []
     for mode, heads, q_tile, causal, page_size, flash in sorted(set(classes)):
-        kv_format, q_format = MODE_FORMATS[mode]
-        if schedule.uses_ws(spec, num_heads=heads, q_tile=q_tile):  # the fused kernel of large problems (and tests)
-            configs.append(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
-                                              causal=causal, page_size=page_size))
-        variants = schedule.decode_variants(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
-                                            q_tile=q_tile, causal=causal, page_size=page_size)
-        configs += variants
-        if flash:
-            configs += [c for c in map(schedule.flash_io_variant, variants) if c is not None]
-    return list(dict.fromkeys(configs))  # unique, in order
-
-
-def _build_one(cfg, spec):
-    """Worker: compile one variant into TileLang's disk cache. Returns (name, seconds, error or None)."""
-    start = time.perf_counter()
-    try:
-        from mla import jit
-
-        jit.get_kernel(cfg, spec)
-        return cfg.name, time.perf_counter() - start, None
-    except Exception as exc:  # reported, then raised again by the test that launches the variant
-        return cfg.name, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"
+        configs += mla_prebuild.class_variants(spec, mode=mode, num_heads=heads, q_tile=q_tile, causal=causal,
+                                               page_size=page_size, flash_mla=bool(flash), ws_formats=every_format)
+    return mla_prebuild.unique(configs)
 
 
 def prebuild(classes, spec=None, workers=None, log=print):
-    """Compile every kernel variant of ``classes`` in parallel worker processes (each variant takes ~5-10 s
-    to build; the tests' own processes then load them from TileLang's disk cache in ~0.1 s each). Best effort:
-    a variant that fails to build is reported here and fails again, with its full error, in the test that
-    launches it. Set MLA_TEST_PREBUILD=0 to skip (variants then build on first use, one at a time)."""
+    """Compile every kernel variant of ``classes`` in parallel worker processes (``mla.prebuild.build``; the tests'
+    own processes then load them from TileLang's disk cache in ~0.1 s each). Best effort: a variant that fails to
+    build is reported here and fails again, with its full error, in the test that launches it. Set
+    MLA_TEST_PREBUILD=0 to skip (variants then build on first use, one at a time)."""
     if os.environ.get("MLA_TEST_PREBUILD", "1") == "0" or not classes:
         return
-    import concurrent.futures
-    import multiprocessing
-
+    from mla import prebuild as mla_prebuild
     from mla.target import spec_for_device
 
     spec = spec or spec_for_device(torch.device("cuda"))
-    configs = kernel_configs(spec, classes)
-    workers = workers or max(1, min(len(configs), os.cpu_count() or 1))
-    start = time.perf_counter()
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold a CUDA context
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        results = list(pool.map(_build_one, configs, [spec] * len(configs)))
-    failed = [(name, err) for name, _, err in results if err]
-    log(f"mla tests: {len(configs)} kernel variants ready in {time.perf_counter() - start:.0f} s with {workers} workers"
-        + (f"; {len(failed)} FAILED to build:" if failed else ""))
-    for name, err in failed:
-        log(f"  {name}: {err.splitlines()[0] if err else ''}")
+    mla_prebuild.build(kernel_configs(spec, classes), spec, jobs=workers, log=log, label="mla tests")
