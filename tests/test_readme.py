@@ -13,6 +13,8 @@ import pathlib
 import re
 import shlex
 import symtable
+import sys
+import types
 
 import pytest
 
@@ -199,8 +201,14 @@ README_CLASSES = [(mode, 16, 1, False) for mode in ("bf16", "fp8", "a8w8", "mxfp
 @launches(lambda **_: README_CLASSES)
 @pytest.mark.parametrize("line,source", PYTHON_BLOCKS, ids=IDS)
 def test_example_runs_on_the_gpu(line, source):
-    namespace = {"__name__": f"readme_{line}"}
-    exec(compile(source, f"README.md:{line}", "exec"), namespace)  # noqa: S102 - the README's own examples
+    # Run as a module of its own (torch.compile looks a function's globals up by module name), then forget it.
+    module = types.ModuleType(f"readme_example_{line}")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(source, f"README.md:{line}", "exec"), module.__dict__)  # noqa: S102 - the README's own examples
+    finally:
+        del sys.modules[module.__name__]
+    namespace = module.__dict__
     import torch
 
     torch.cuda.synchronize()
