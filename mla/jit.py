@@ -107,8 +107,11 @@ def get_launcher(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec
     return entry if callable(entry) else executable
 
 
+@functools.lru_cache(maxsize=None)
 def lower(cfg: DecodeKernelConfig | CombineKernelConfig, spec: TargetSpec):
-    """Lower (no device compiler) for ``spec``; returns TileLang's artifact with ``.kernel_source``.
+    """Lower (no device compiler) for ``spec``; returns TileLang's artifact with ``.kernel_source``. Cached per
+    process, so the tests that read one variant's lowered code (tests/test_gfx942.py, tests/test_golden.py) lower
+    it once.
 
     Works for any target on a CPU-only machine, e.g. gfx942 without ROCm."""
     import tilelang
