@@ -1,5 +1,5 @@
 """Shapes and names every layer above the kernels shares (no TileLang import: ``mla.ops`` registers its ops
-without loading TileLang). The kernels keep their own copy in ``tl_kernels.mla_decode``; a CPU test checks they
+without loading TileLang). The kernels keep their own copy in ``tl_kernels.steps``; a CPU test checks they
 agree."""
 
 import math

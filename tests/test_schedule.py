@@ -48,17 +48,18 @@ def test_variant_names_are_unique():
 
 
 def test_op_layer_dims_match_the_kernels():
-    """mla.constants (TileLang-free, for mla.ops) and the kernel layer must agree on every shape."""
+    """mla.constants (TileLang-free, for mla.ops) and the kernel layer (tl_kernels.steps) must agree on every
+    shape."""
     from mla import constants
-    from tl_kernels import mla_decode
+    from tl_kernels import steps
 
     assert (constants.KV_LORA_RANK, constants.ROPE_DIM, constants.QK_DIM) == (
-        mla_decode.KV_LORA_RANK,
-        mla_decode.ROPE_DIM,
-        mla_decode.QK_DIM,
+        steps.KV_LORA_RANK,
+        steps.ROPE_DIM,
+        steps.QK_DIM,
     )
-    assert {q for _, q in constants.MODES.values()} <= set(mla_decode.Q_FORMATS)
-    assert {kv for kv, _ in constants.MODES.values()} == set(mla_decode.KV_FORMATS)
+    assert {q for _, q in constants.MODES.values()} <= set(steps.Q_FORMATS)
+    assert {kv for kv, _ in constants.MODES.values()} == set(steps.KV_FORMATS)
 
 
 # --- the fused split merge (one cooperative launch; Hopper) ---------------------------------------------------------

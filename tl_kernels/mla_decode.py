@@ -17,94 +17,47 @@ Each CTA owns one (sequence, KV split, head group). Its stages:
 
 Only what changes the generated code is static (``DecodeKernelConfig``); batch size, token counts, sequence
 lengths and the number of splits are dynamic, so a new shape never recompiles.
+
+The builder (``mla_decode_kernel``): ``_context`` (static dims), the CTA program (``_block_body``, whose stages are
+``_load_q_rows``, ``_load_kv_tile``, ``_scores``, ``steps.online_softmax_step``, ``_accumulate_pv``, ``_write_output``
+/ ``_write_partial`` and ``steps.merge_splits``; or gfx942's wave-level program, tl_kernels/mla_decode_gfx942.py),
+then one of the signatures. Steps other families share live in tl_kernels/steps.py (docs/kernels.md).
 """
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import tilelang.language as T
 
-KV_LORA_RANK = 512  # latent dims: keys and values
-ROPE_DIM = 64  # rope dims: keys only
-QK_DIM = KV_LORA_RANK + ROPE_DIM  # 576
-MXFP4_BLOCK = 32  # elements per e8m0 scale
-MXFP4_SCALES_PER_TOKEN = QK_DIM // MXFP4_BLOCK  # 18
-LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
-MERGE_SPLITS = 8  # fused_combine: splits whose partial chunks one thread loads together before adding them
-# fused_combine: a CTA reads other CTAs' partials through L2 (ld.global.cg: never a stale L1 line), by address, so
-# TileLang's bounds legalisation puts no branch around each load (the rows are clamped instead; with a branch per
-# load the merge was 2-3x slower, docs/perf.md run 17). Loads are coalesced 16-byte chunks (a warp reads 512
-# contiguous bytes). The merge is spread over all the splits' CTAs after a grid-wide barrier (run 19): merged by the
-# last CTA of each (sequence, head group) instead, one SM read every split's 32 KiB partial and the merge cost ~1 us
-# per two splits plus ~3 us (run 18), more than the second launch it saves.
-MERGE_CUDA_SOURCE = """
-#include <cuda_bf16.h>
-__device__ __forceinline__ float mla_merge_load(const float* p) { return __ldcg(p); }
-// a8w8 with the merge fused: *cell = max(*cell, bits) on a float's bits (amax_in_kernel).
-__device__ __forceinline__ void mla_amax_bits(float* cell, int bits) { atomicMax(reinterpret_cast<int*>(cell), bits); }
-
-// dst[0, 4) = src[0, 4), 16-byte aligned, through L2.
-__device__ __forceinline__ void mla_merge_load4(float* dst, const float* src) {
-  *reinterpret_cast<float4*>(dst) = __ldcg(reinterpret_cast<const float4*>(src));
-}
-
-// out[0, 4) = bf16(src[0, 4) * scale); out 8-byte aligned.
-__device__ __forceinline__ void mla_merge_store4(void* out, const float* src, float scale) {
-  uint2 packed;
-  reinterpret_cast<__nv_bfloat162*>(&packed)[0] = __floats2bfloat162_rn(src[0] * scale, src[1] * scale);
-  reinterpret_cast<__nv_bfloat162*>(&packed)[1] = __floats2bfloat162_rn(src[2] * scale, src[3] * scale);
-  *reinterpret_cast<uint2*>(out) = packed;
-}
-"""
-
-KV_FORMATS = ("bf16", "fp8", "mxfp4")
-# Q precision: "bf16" as given; "fp8": bf16 Q quantized to fp8 inside the kernel with one per-tensor scale derived
-# from amax(|Q|) (a8w8, bit-exact with torch's per-tensor quantization); "fp8_codes": Q given as fp8 codes + scale.
-Q_FORMATS = ("bf16", "fp8", "fp8_codes")
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0}
-AMAX_FLOOR = 9.992007221626409e-13  # bf16(1e-12): torch's per-tensor quantizer clamps amax to 1e-12 in bf16
-# dim_split (gfx942): 8 wave64s share one 32-token KV tile; wave w owns latent dims [64w, 64w + 64) (wave 0 also the
-# 64 rope dims); in a wave, lane (m, g) = (lane % 16, lane // 16) owns tokens 2m, 2m + 1 and dims [16g, 16g + 16)
-# of each 64-dim chunk, so its global loads are whole vectors (bf16 2 x 16 B, fp8 16 B, mxfp4 8 B per token).
-DS_WAVES, DS_LANES, DS_DIMS = 8, 64, 64
-DS_SCORES = 8  # scores per lane per tile: head m, tokens 8g + 2r + j (r < 4 MFMA rows, j < 2 token halves)
-DIM_SPLIT_SHAPE = (16, 1, 32, DS_WAVES * DS_LANES)  # (block_h, q_tile, block_n, threads)
-
-
-# The lane maps of the dim_split program, shared by the kernel (with TIR expressions) and its NumPy model in
-# tests/test_gfx942.py (with integers). m = lane % 16, g = lane // 16.
-def ds_token(m, j):
-    """Tile token whose K row lane (m, g) loads as its j-th token (the MFMA row of Q K^T's token slot m, n-tile j)."""
-    return 2 * m + j
-
-
-def ds_dim(chunk_lo, g, e):
-    """Dim of element e (< 16) of lane group g's slice of the 64-dim chunk starting at chunk_lo."""
-    return chunk_lo + 16 * g + e
-
-
-def ds_score_token(g, i):
-    """Tile token of score i (< 8) of lane group g: the Q K^T result D[4g + r][m] of n-tile j, i = 4j + r, is the
-    score of token slot 4g + r, i.e. token ds_token(4g + r, j)."""
-    return ds_token(4 * g + i % 4, i // 4)
-
-
-def ds_p_score(s, c):
-    """Which of the lane's 8 scores is element c (< 4) of its P operand in P V k-step s (< 2): P V's k index
-    4g + c of step s is token 8g + 4s + c (any order works as long as V^T uses the same)."""
-    return (c % 2) * 4 + 2 * s + c // 2
-
-
-def ds_vt_col(d, token):
-    """LDS column of (dim d, token) in a wave's V^T slice: the four 8-token (16-byte) chunks of row d are swizzled by
-    (d >> 1) & 3, so the P V operand reads (16 lanes: rows 16 nt + m, the same chunk g) spread over all 32 banks
-    instead of 8 of them (rows are 64 bytes: without it, lanes m and m + 2 hit the same banks)."""
-    return ((token // 8) ^ ((d // 2) % 4)) * 8 + token % 8
-
-
-def ds_out_dim(wave, nt, g, r):
-    """Output dim of the lane's P V result element r of dim block nt: O^T rows 16 nt + 4g + r of the wave's 64."""
-    return wave * DS_DIMS + nt * 16 + g * 4 + r
+from tl_kernels import steps
+from tl_kernels.mla_decode_gfx942 import (  # noqa: F401  (the lane maps: re-exported for the tests' NumPy model)
+    DIM_SPLIT_SHAPE,
+    DS_DIMS,
+    DS_LANES,
+    DS_SCORES,
+    DS_WAVES,
+    dim_split_body,
+    ds_dim,
+    ds_out_dim,
+    ds_p_score,
+    ds_score_token,
+    ds_token,
+    ds_vt_col,
+)
+from tl_kernels.steps import (  # noqa: F401  (AMAX_FLOOR, LOG2E, MERGE_SPLITS: re-exported for the other families)
+    AMAX_FLOOR,
+    FP8_MAX,
+    KV_FORMATS,
+    KV_LORA_RANK,
+    LOG2E,
+    MERGE_SPLITS,
+    MXFP4_BLOCK,
+    MXFP4_SCALES_PER_TOKEN,
+    Q_FORMATS,
+    QK_DIM,
+    ROPE_DIM,
+)
 
 
 @dataclass(frozen=True)
@@ -205,11 +158,7 @@ class DecodeKernelConfig:
 
 def _kv_storage(cfg: DecodeKernelConfig) -> tuple[int, str]:
     """(elements per KV row in memory, storage dtype) for a format."""
-    if cfg.kv_format == "bf16":
-        return QK_DIM, "bfloat16"
-    if cfg.kv_format == "fp8":
-        return QK_DIM, cfg.fp8_dtype
-    return QK_DIM // 2, "uint8"  # two e2m1 codes per byte
+    return steps.kv_storage(cfg.kv_format, cfg.fp8_dtype)
 
 
 def mla_decode_kernel(cfg: DecodeKernelConfig):
@@ -236,304 +185,308 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                    page_size, 1, row), cache_seqlens (batch,) int32 in place of qo_indptr and kv_indptr, Out (batch,
                    s_q, num_heads, 512), LSE (batch, num_heads, s_q) with +inf where a query sees nothing
     """
-    heads = cfg.num_heads
-    block_h, block_n, block_m, q_tile = cfg.block_h, cfg.block_n, cfg.block_m, cfg.q_tile
-    head_groups = heads // block_h
-    kv_cols, kv_dtype = _kv_storage(cfg)
-    q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
-    fp8_max = FP8_MAX[cfg.fp8_dtype]
-    compute_dtype = "bfloat16"
-    accum_dtype = "float32"
-    ln2 = 0.6931471805599453
-
-    if cfg.flash_io:  # every sequence has s_q queries; rows are (sequence, query) pairs
-        q_seqs, s_q = T.dynamic("batch"), T.dynamic("s_q")
-        total_q = q_seqs * s_q
-        indptr_len = None
-        num_seqs = q_seqs
+    c = _context(cfg)
+    if cfg.dim_split:  # gfx942's wave-level program (tl_kernels/mla_decode_gfx942.py)
+        body = dim_split_body(cfg, dict(total_q=c.total_q, indptr_len=c.indptr_len, scale_len=c.scale_len,
+                                        num_splits=c.num_splits))
     else:
-        total_q = T.dynamic("total_q")
-        indptr_len = T.dynamic("indptr_len")
-        num_seqs = indptr_len - 1
-    total_kv = T.dynamic("total_kv")
-    scale_len = T.dynamic("scale_len")
-    num_splits = T.dynamic("num_splits") if cfg.split and not cfg.fused_combine else 1
-    fused = cfg.fused_combine
-    staged = cfg.kv_format != "bf16" and cfg.stage_compressed
+        body = _block_body(c)
+    if cfg.flash_io:
+        return _flash_prim_func(c, body)
+    if cfg.page_size:
+        return _paged_prim_func(c, body)
+    return _flat_prim_func(c, body)
 
-    def q_element(Q, q_begin, q_len, q_scale, q_pass, hg, r, d):
-        """Q row r (query q_pass*q_tile + r // block_h, head hg*block_h + r % block_h), dim d, as bf16; 0 past the
-        sequence's queries. a8w8 rounds it to fp8 exactly as torch does: bf16(q / scale), clamped, to e4m3."""
-        qi = q_pass * q_tile + r // block_h
-        value = Q[q_begin + T.min(qi, q_len - 1), hg * block_h + r % block_h, d]
-        if cfg.q_format == "fp8":
-            scaled = T.cast(T.cast(T.cast(value, accum_dtype) / q_scale, compute_dtype), accum_dtype)
-            value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
-        return T.if_then_else(qi < q_len, T.cast(value, compute_dtype), T.cast(0, compute_dtype))
 
+def _context(cfg: DecodeKernelConfig) -> SimpleNamespace:
+    """The kernel's static context: the config's derived constants and the prim_func's dynamic dims, which the
+    stages below and the signatures share."""
+    c = SimpleNamespace(cfg=cfg, heads=cfg.num_heads, block_h=cfg.block_h, block_n=cfg.block_n, block_m=cfg.block_m,
+                        q_tile=cfg.q_tile, threads=cfg.threads, head_groups=cfg.num_heads // cfg.block_h,
+                        fused=cfg.fused_combine, flash_io=cfg.flash_io,
+                        staged=cfg.kv_format != "bf16" and cfg.stage_compressed)
+    c.kv_cols, c.kv_dtype = _kv_storage(cfg)
+    c.q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
+    if cfg.flash_io:  # every sequence has s_q queries; rows are (sequence, query) pairs
+        c.num_seqs, c.s_q = T.dynamic("batch"), T.dynamic("s_q")
+        c.total_q = c.num_seqs * c.s_q
+        c.indptr_len = None
+    else:
+        c.total_q = T.dynamic("total_q")
+        c.indptr_len = T.dynamic("indptr_len")
+        c.num_seqs = c.indptr_len - 1
+        c.s_q = None
+    c.total_kv = T.dynamic("total_kv")
+    c.scale_len = T.dynamic("scale_len")
+    c.num_splits = T.dynamic("num_splits") if cfg.split and not cfg.fused_combine else 1
     # Index order of the accumulators: (query row, token/dim), swapped when the KV tile is the MMA's M dimension.
-    token_axis = 0 if cfg.kv_rows_as_m else 1  # the softmax reduces over tokens
-
-    def tr(*index):
-        """(query row, other) as the accumulators store it."""
-        if len(index) == 1:  # a shape
-            return list(reversed(index[0])) if cfg.kv_rows_as_m else list(index[0])
-        return (index[1], index[0]) if cfg.kv_rows_as_m else index
-
-    def tile_rows(Group_rows, t_in, kv_begin, tile_lo, split_hi):
-        """``row_of(i)``: the cache row of row i of the current tile. Rows past the split end repeat its last token
-        (finite data, so P V stays finite; their scores are masked). Flat: computed in place. Paged: read from the
-        group's row table that ``paged_row`` filled before the tile pipeline (so no dependent page-table load
-        precedes each element load)."""
-        if cfg.page_size:
-            return lambda i: Group_rows[t_in, i]
-        return lambda i: kv_begin + T.min(tile_lo + i, split_hi - 1)
-
-    def paged_row(Page_table, seq_id, tile_lo, split_hi, i):
-        """Paged cache row of row i of the current tile: token p of sequence b is slot p % page_size of page
-        Page_table[b, p // page_size]."""
-        pos = T.min(tile_lo + i, split_hi - 1)
-        return Page_table[seq_id, pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
-
-    def mxfp4_element(src, row_of, Block_scale, i, d):
-        """Element d of mxfp4 row i as fp32. The e2m1 code's 3 magnitude bits placed at fp16 bits 11..9 form an
-        fp16 of value code * 2^-14 (denormal for the e2m1 subnormals, exact after conversion to fp32)."""
-        byte = T.cast(compressed(src, row_of, i, d // 2), "int32")
-        code = T.shift_right(byte, (d % 2) * 4) & 15  # low nibble = even element
-        half_bits = T.shift_left(code & 8, 12) | T.shift_left(code & 7, 9)
-        magnitude = T.cast(T.reinterpret(T.cast(half_bits, "uint16"), "float16"), accum_dtype)
-        return magnitude * 16384.0 * Block_scale[i, d // MXFP4_BLOCK]  # 16384 = 2^14
-
-    def compressed(src, row_of, i, c):
-        """Element c of compressed row i of the current tile: from the staged shared copy, or from global memory
-        (rows past the split end repeat its last token, as in the staged copy)."""
-        if staged:
-            return src[i, c]
-        return src[row_of(i), c]
-
-    def partial_row(split_id, q_row, head):
-        """Flat (split, query row, head) index of the fused kernel's partials (the split=True layout)."""
-        return (split_id * total_q + q_row) * heads + head
-
-    def merge_load(buf, index):
-        """buf[index] of a partial buffer, read by address through L2 (``MERGE_CUDA_SOURCE``)."""
-        return T.call_extern(accum_dtype, "mla_merge_load", buf.access_ptr("r", offset=index))
-
-    def q_scale_arg(Q_scale):
-        """The Q_scale argument's value: the caller's (amax(|Q|) for a8w8, the scale of fp8 codes, 1 for bf16), or,
-        with ``amax_in_kernel``, the amax this kernel reduced into it (read through L2, after the grid barrier)."""
-        return merge_load(Q_scale, 0) if cfg.amax_in_kernel else Q_scale[0]
-
+    c.token_axis = 0 if cfg.kv_rows_as_m else 1  # the softmax reduces over tokens
+    c.kv_major_loops = False  # the element-wise loops row first, in both orientations
+    c.out_dims = KV_LORA_RANK
+    c.tr = functools.partial(steps.accumulator_index, cfg.kv_rows_as_m)
     # The LSE of a query that sees no token: -inf, or FlashMLA's +inf (flash_io).
-    empty_lse = T.infinity(accum_dtype) if cfg.flash_io else -T.infinity(accum_dtype)
+    c.empty_lse = T.infinity("float32") if cfg.flash_io else -T.infinity("float32")
+    return c
 
-    @T.macro
-    def write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg):
-        # The final bf16 output and natural-log LSE of one query pass. denom == 0 means nothing was visible:
-        # output 0, LSE -inf.
-        for r, d in T.Parallel(block_m, KV_LORA_RANK):
-            qi = q_pass * q_tile + r // block_h
-            if qi < q_len:
-                value = T.if_then_else(denom[r] > 0, acc_o[tr(r, d)] * out_scale / denom[r], 0)
-                Out[q_begin + qi, hg * block_h + r % block_h, d] = T.cast(value, "bfloat16")
-        for r in T.Parallel(block_m):
-            qi = q_pass * q_tile + r // block_h
-            if qi < q_len:
-                lse2 = T.if_then_else(denom[r] > 0, T.log2(denom[r]) + row_max[r], empty_lse)
-                if cfg.flash_io:  # (sequence, head, query)
-                    LSE[(q_begin + qi) // s_q, hg * block_h + r % block_h, (q_begin + qi) % s_q] = lse2 * ln2
-                else:
-                    LSE[q_begin + qi, hg * block_h + r % block_h] = lse2 * ln2
 
-    @T.macro
-    def write_partial(O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg, split_id):
-        # One split's normalised fp32 output and base-2 LSE (-inf for a split that saw nothing).
-        for r, d in T.Parallel(block_m, KV_LORA_RANK):
-            qi = q_pass * q_tile + r // block_h
-            if qi < q_len:
-                value = T.if_then_else(denom[r] > 0, acc_o[tr(r, d)] * out_scale / denom[r], 0)
-                if fused:
-                    O_partial[partial_row(split_id, q_begin + qi, hg * block_h + r % block_h) * KV_LORA_RANK + d] = value
-                else:
-                    O_partial[split_id, q_begin + qi, hg * block_h + r % block_h, d] = value
-        for r in T.Parallel(block_m):
-            qi = q_pass * q_tile + r // block_h
-            if qi < q_len:
-                lse2 = T.if_then_else(denom[r] > 0, T.log2(denom[r]) + row_max[r], -T.infinity(accum_dtype))
-                if fused:
-                    LSE_partial[partial_row(split_id, q_begin + qi, hg * block_h + r % block_h)] = lse2
-                else:
-                    LSE_partial[split_id, q_begin + qi, hg * block_h + r % block_h] = lse2
+# ---- stages of the block-level program (sm_90a; the default on CUDA) ----------------------------------------------
 
-    # fused_combine's merge: the output of a (sequence, head group) is q_len * block_h rows of 128 chunks of 4 dims;
-    # its num_splits CTAs take equal contiguous ranges of those chunks, one chunk per thread per step, so a warp
-    # reads 512 contiguous bytes of each split's partial.
-    row_chunks = KV_LORA_RANK // 4
 
-    @T.macro
-    def merge_splits(O_partial, LSE_partial, Out, LSE, n_splits, merge_acc, merge_lse, merge_stage, merge_max,
-                     merge_denom, tx, q_begin, q_len, split_id, hg):
-        # Stage 7 (fused_combine): every CTA has written its split's partial; after the grid-wide barrier (the
-        # kernel is launched cooperatively, so every CTA is resident and the barrier cannot wait on one that never
-        # starts) each CTA merges its share of its (sequence, head group)'s output: for each of its chunks, the
-        # splits' partials weighted by 2^(lse - max), MERGE_SPLITS splits per step with all their loads issued first
-        # and the running max rescaled per step.
-        T.sync_grid()
-        total = q_len * block_h * row_chunks
-        per_cta = T.ceildiv(total, n_splits)
-        lo = split_id * per_cta
-        hi = T.min(lo + per_cta, total)
-        for step in T.serial(T.ceildiv(T.max(hi - lo, 0), cfg.threads)):
-            at = lo + step * cfg.threads + tx
-            if at < hi:
-                row, d = at // row_chunks, at % row_chunks * 4
-                q_row, head = q_begin + row // block_h, hg * block_h + row % block_h
-                merge_max[0] = -T.infinity(accum_dtype)
-                merge_denom[0] = 0
-                for j in T.unroll(4):
-                    merge_acc[j] = 0
-                for group in T.serial(T.ceildiv(n_splits, MERGE_SPLITS)):
-                    # The group's loads (a split past the last reads the last one's rows, with weight 0).
-                    for g in T.unroll(MERGE_SPLITS):
-                        sp = group * MERGE_SPLITS + g
-                        prow = partial_row(T.min(sp, n_splits - 1), q_row, head)
-                        merge_lse[g] = T.if_then_else(sp < n_splits, merge_load(LSE_partial, prow),
-                                                      -T.infinity(accum_dtype))
-                        T.call_extern("handle", "mla_merge_load4", merge_stage.access_ptr("w", offset=g * 4),
-                                      O_partial.access_ptr("r", offset=prow * KV_LORA_RANK + d))
-                    merge_max[1] = merge_max[0]
-                    for g in T.unroll(MERGE_SPLITS):
-                        merge_max[1] = T.max(merge_max[1], merge_lse[g])
-                    # Nothing seen so far (all LSEs -inf): keep the zeros, so no (-inf) - (-inf).
-                    if merge_max[1] != -T.infinity(accum_dtype):
-                        rescale = T.exp2(merge_max[0] - merge_max[1])
-                        merge_denom[0] = merge_denom[0] * rescale
-                        for j in T.unroll(4):
-                            merge_acc[j] = merge_acc[j] * rescale
-                        for g in T.unroll(MERGE_SPLITS):
-                            weight = T.exp2(merge_lse[g] - merge_max[1])
-                            merge_denom[0] = merge_denom[0] + weight
-                            for j in T.unroll(4):
-                                merge_acc[j] = merge_acc[j] + weight * merge_stage[g * 4 + j]
-                        merge_max[0] = merge_max[1]
-                # The chunk of the output (0 where nothing was seen) and, once per row, its natural-log LSE.
-                T.call_extern("handle", "mla_merge_store4",
-                              Out.access_ptr("w", offset=(q_row * heads + head) * KV_LORA_RANK + d),
-                              merge_acc.access_ptr("r", offset=0),
-                              T.if_then_else(merge_denom[0] > 0, 1.0 / merge_denom[0], 0))
-                if d == 0:
-                    if cfg.flash_io:
-                        lse = T.if_then_else(merge_denom[0] > 0, (T.log2(merge_denom[0]) + merge_max[0]) * ln2,
-                                             empty_lse)
-                        LSE[q_row // s_q, head, q_row % s_q] = lse
-                    else:
-                        LSE[q_row, head] = T.if_then_else(
-                            merge_denom[0] > 0, (T.log2(merge_denom[0]) + merge_max[0]) * ln2, empty_lse
-                        )
+def _row_query(c, q_pass, r):
+    """The query (within its sequence) of row r of query pass q_pass: rows are q_tile queries x block_h heads."""
+    return q_pass * c.q_tile + r // c.block_h
 
-    @T.macro
-    def reduce_amax(Q, Amax_cell, Amax_bits, n_splits, tx, split_id, seq_id, hg):
-        # Stage 0 (amax_in_kernel): amax(|Q|) over the whole Q tensor: each CTA takes an equal slice of its elements,
-        # the CTA's maximum goes into the zeroed cell by an integer atomic max on the float bits (|q| >= 0, so their
-        # order is the floats'; a NaN's bits exceed inf's, so NaN wins as in torch's amax); after the grid barrier
-        # every CTA reads the total through L2 (``merge_load``). Exact: the same amax as torch's reduction.
-        n_ctas = n_splits * num_seqs * head_groups
-        cta = (hg * num_seqs + seq_id) * n_splits + split_id
-        total = total_q * heads * QK_DIM
-        per_cta = T.ceildiv(total, n_ctas)
-        lo = cta * per_cta
-        hi = T.min(lo + per_cta, total)
-        bits = T.alloc_var("int32", init=0)
-        for step in T.serial(T.ceildiv(T.max(hi - lo, 0), cfg.threads)):
-            at = lo + step * cfg.threads + tx
-            if at < hi:
-                value = T.abs(T.cast(Q[at // (heads * QK_DIM), at // QK_DIM % heads, at % QK_DIM], accum_dtype))
-                bits = T.max(bits, T.reinterpret(value, "int32"))
-        if tx == 0:
-            Amax_bits[0] = 0
-        T.sync_threads()
-        T.atomic_max(Amax_bits[0], bits)
-        T.sync_threads()
-        if tx == 0:
-            T.call_extern("handle", "mla_amax_bits", Amax_cell.access_ptr("rw", offset=0), Amax_bits[0])
-        T.sync_grid()
+
+def _row_head(c, hg, r):
+    return hg * c.block_h + r % c.block_h
+
+
+def _q_element(c, Q, q_begin, q_len, q_scale, q_pass, hg, r, d):
+    """Q row r of the pass, dim d, as bf16 (``steps.q_value``: 0 past the queries, a8w8 rounded to fp8 values)."""
+    return steps.q_value(Q, q_begin, q_len, _row_query(c, q_pass, r), _row_head(c, hg, r), d, q_scale,
+                         q_format=c.cfg.q_format, fp8_dtype=c.cfg.fp8_dtype)
+
+
+def _tile_rows(c, Group_rows, t_in, kv_begin, tile_lo, split_hi):
+    """``row_of(i)``: the cache row of row i of the current tile. Rows past the split end repeat its last token
+    (finite data, so P V stays finite; their scores are masked). Flat: computed in place. Paged: read from the
+    group's row table that ``paged_row`` filled before the tile pipeline (so no dependent page-table load precedes
+    each element load)."""
+    if c.cfg.page_size:
+        return lambda i: Group_rows[t_in, i]
+    return lambda i: kv_begin + T.min(tile_lo + i, split_hi - 1)
+
+
+def _paged_row(c, Page_table, seq_id, tile_lo, split_hi, i):
+    """Paged cache row of row i of the current tile: token p of sequence b is slot p % page_size of page
+    Page_table[b, p // page_size]."""
+    page_size = c.cfg.page_size
+    pos = T.min(tile_lo + i, split_hi - 1)
+    return Page_table[seq_id, pos // page_size] * page_size + pos % page_size
+
+
+def _compressed(c, src, row_of, i, col):
+    """Element ``col`` of compressed row i of the current tile: from the staged shared copy, or from global memory
+    (rows past the split end repeat its last token, as in the staged copy)."""
+    if c.staged:
+        return src[i, col]
+    return src[row_of(i), col]
+
+
+def _mxfp4_element(c, src, row_of, Block_scale, i, d):
+    """Element d of mxfp4 row i as fp32. The e2m1 code's 3 magnitude bits placed at fp16 bits 11..9 form an fp16 of
+    value code * 2^-14 (denormal for the e2m1 subnormals, exact after conversion to fp32)."""
+    byte = T.cast(_compressed(c, src, row_of, i, d // 2), "int32")
+    code = T.shift_right(byte, (d % 2) * 4) & 15  # low nibble = even element
+    half_bits = T.shift_left(code & 8, 12) | T.shift_left(code & 7, 9)
+    magnitude = T.cast(T.reinterpret(T.cast(half_bits, "uint16"), "float16"), "float32")
+    return magnitude * 16384.0 * Block_scale[i, d // MXFP4_BLOCK]  # 16384 = 2^14
+
+
+@T.macro
+def _load_q_rows(c, k, v, Q, q_pass, hg):
+    # Stage 1: the pass's Q rows (row r = query q_pass*q_tile + r // block_h, head hg*block_h + r % block_h).
+    for r, d in T.Parallel(c.block_m, KV_LORA_RANK):
+        k.Q_shared[r, d] = _q_element(c, Q, v.q_begin, v.q_len, v.q_scale, q_pass, hg, r, d)
+    for r, d in T.Parallel(c.block_m, ROPE_DIM):
+        k.Qpe_shared[r, d] = _q_element(c, Q, v.q_begin, v.q_len, v.q_scale, q_pass, hg, r, KV_LORA_RANK + d)
+
+
+@T.macro
+def _load_kv_tile(c, k, KV, KV_scales, scale_stride, row_of):
+    # Stage 2: the KV tile as bf16 in shared memory: a bf16 cache copied, fp8 / mxfp4 dequantized on the way.
+    cfg, block_n, bf16 = c.cfg, c.block_n, "bfloat16"
+    if cfg.kv_format == "bf16":
+        for i, d in T.Parallel(block_n, KV_LORA_RANK):
+            k.KV_shared[i, d] = KV[row_of(i), d]
+        for i, d in T.Parallel(block_n, ROPE_DIM):
+            k.Kpe_shared[i, d] = KV[row_of(i), KV_LORA_RANK + d]
+    elif c.staged:
+        for i, col in T.Parallel(block_n, c.kv_cols):
+            k.KV_raw[i, col] = KV[row_of(i), col]
+    if cfg.kv_format == "fp8":
+        # fp8 -> bf16 is exact; the per-tensor scale is applied to scores and output instead.
+        for i, d in T.Parallel(block_n, KV_LORA_RANK):
+            k.KV_shared[i, d] = T.cast(_compressed(c, k.KV_raw, row_of, i, d), bf16)
+        for i, d in T.Parallel(block_n, ROPE_DIM):
+            k.Kpe_shared[i, d] = T.cast(_compressed(c, k.KV_raw, row_of, i, KV_LORA_RANK + d), bf16)
+    if cfg.kv_format == "mxfp4":
+        # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127; 255 is NaN).
+        for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
+            e = T.cast(KV_scales[row_of(i) * scale_stride + b], "int32")
+            k.Block_scale[i, b] = T.if_then_else(
+                e == 0,
+                T.float32(5.877471754111438e-39),
+                T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.shift_left(e, 23)), "float32"),
+            )
+        # Values = e2m1 code * power-of-two scale: exact in bf16. Latent and rope parts are separate loops (one
+        # conditional store per element defeats TileLang's vectorizer).
+        for i, d in T.Parallel(block_n, KV_LORA_RANK):
+            k.KV_shared[i, d] = T.cast(_mxfp4_element(c, k.KV_raw, row_of, k.Block_scale, i, d), bf16)
+        for i, d in T.Parallel(block_n, ROPE_DIM):
+            k.Kpe_shared[i, d] = T.cast(
+                _mxfp4_element(c, k.KV_raw, row_of, k.Block_scale, i, KV_LORA_RANK + d), bf16
+            )
+
+
+@T.macro
+def _scores(c, k, v, tile_lo, q_pass):
+    # Stage 3: S = Q K^T over the 512 latent + 64 rope dims, scaled; tokens past the split end (causal: past each
+    # query's horizon) get -inf.
+    if c.cfg.kv_rows_as_m:
+        T.gemm(k.KV_shared, k.Q_shared, k.acc_s, transpose_B=True, clear_accum=True)
+        T.gemm(k.Kpe_shared, k.Qpe_shared, k.acc_s, transpose_B=True)
+    else:
+        T.gemm(k.Q_shared, k.KV_shared, k.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+        T.gemm(k.Qpe_shared, k.Kpe_shared, k.acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+    for r, j in T.Parallel(c.block_m, c.block_n):
+        qi = _row_query(c, q_pass, r)
+        horizon = v.split_hi
+        if c.cfg.causal:
+            # query qi of q_len sees positions [0, kv_len - q_len + qi]
+            horizon = T.min(v.split_hi, v.kv_len - v.q_len + qi + 1)
+        k.acc_s[c.tr(r, j)] = T.if_then_else(
+            tile_lo + j < horizon, k.acc_s[c.tr(r, j)] * v.score_scale, -T.infinity("float32")
+        )
+
+
+@T.macro
+def _accumulate_pv(c, k):
+    # Stage 5: P (bf16) to shared memory, O += P V.
+    if c.cfg.kv_rows_as_m:
+        for r, j in T.Parallel(c.block_m, c.block_n):
+            k.P_shared[r, j] = T.cast(k.acc_s[j, r], "bfloat16")
+    else:
+        T.copy(k.acc_s, k.P_shared)
+    if c.cfg.kv_rows_as_m:
+        T.gemm(k.KV_shared, k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
+    else:
+        T.gemm(k.P_shared, k.KV_shared, k.acc_o, policy=T.GemmWarpPolicy.FullCol)
+
+
+@T.macro
+def _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg):
+    # Stage 6: the final bf16 output and natural-log LSE of one query pass. denom == 0 means nothing was visible:
+    # output 0, LSE -inf (FlashMLA's +inf with flash_io).
+    for r, d in T.Parallel(c.block_m, KV_LORA_RANK):
+        qi = _row_query(c, q_pass, r)
+        if qi < q_len:
+            value = steps.normalised(acc_o[c.tr(r, d)], denom[r], out_scale)
+            Out[q_begin + qi, _row_head(c, hg, r), d] = T.cast(value, "bfloat16")
+    for r in T.Parallel(c.block_m):
+        qi = _row_query(c, q_pass, r)
+        if qi < q_len:
+            lse2 = steps.lse_base2(denom[r], row_max[r], c.empty_lse)
+            if c.flash_io:  # (sequence, head, query)
+                LSE[(q_begin + qi) // c.s_q, _row_head(c, hg, r), (q_begin + qi) % c.s_q] = lse2 * steps.LN2
+            else:
+                LSE[q_begin + qi, _row_head(c, hg, r)] = lse2 * steps.LN2
+
+
+@T.macro
+def _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg, split_id):
+    # Stage 6 (split): one split's normalised fp32 output and base-2 LSE (-inf for a split that saw nothing).
+    for r, d in T.Parallel(c.block_m, KV_LORA_RANK):
+        qi = _row_query(c, q_pass, r)
+        if qi < q_len:
+            value = steps.normalised(acc_o[c.tr(r, d)], denom[r], out_scale)
+            if c.fused:
+                O_partial[steps.partial_row(c, split_id, q_begin + qi, _row_head(c, hg, r)) * KV_LORA_RANK + d] = value
+            else:
+                O_partial[split_id, q_begin + qi, _row_head(c, hg, r), d] = value
+    for r in T.Parallel(c.block_m):
+        qi = _row_query(c, q_pass, r)
+        if qi < q_len:
+            lse2 = steps.lse_base2(denom[r], row_max[r], -T.infinity("float32"))
+            if c.fused:
+                LSE_partial[steps.partial_row(c, split_id, q_begin + qi, _row_head(c, hg, r))] = lse2
+            else:
+                LSE_partial[split_id, q_begin + qi, _row_head(c, hg, r)] = lse2
+
+
+def _block_body(c):
+    """The block-level program's CTA (``decode_body``): one (KV split, sequence, head group) per CTA; the per-CTA
+    scalars once, then per query pass: Q rows (stage 1), the KV loop (stages 2-5: tile, scores, softmax step, P V),
+    the pass's results (stage 6); with ``fused_combine`` the split merge (stage 7) and a8w8's in-kernel amax."""
+    cfg, block_n, block_m = c.cfg, c.block_n, c.block_m
+    f32, bf16 = "float32", "bfloat16"
 
     @T.macro
     def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
                     n_splits, O_partial, LSE_partial, Out, LSE):
-        with T.Kernel(n_splits, num_seqs, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
-            Q_shared = T.alloc_shared([block_m, KV_LORA_RANK], compute_dtype)
-            Qpe_shared = T.alloc_shared([block_m, ROPE_DIM], compute_dtype)
-            KV_shared = T.alloc_shared([block_n, KV_LORA_RANK], compute_dtype)
-            Kpe_shared = T.alloc_shared([block_n, ROPE_DIM], compute_dtype)
-            if staged:
-                KV_raw = T.alloc_shared([block_n, kv_cols], kv_dtype)
+        with T.Kernel(n_splits, c.num_seqs, c.head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
+            Q_shared = T.alloc_shared([block_m, KV_LORA_RANK], bf16)
+            Qpe_shared = T.alloc_shared([block_m, ROPE_DIM], bf16)
+            KV_shared = T.alloc_shared([block_n, KV_LORA_RANK], bf16)
+            Kpe_shared = T.alloc_shared([block_n, ROPE_DIM], bf16)
+            if c.staged:
+                KV_raw = T.alloc_shared([block_n, c.kv_cols], c.kv_dtype)
             else:
-                KV_raw = KV  # not staged: compressed() reads global memory
+                KV_raw = KV  # not staged: _compressed() reads global memory
+            Block_scale = None
             if cfg.kv_format == "mxfp4":
-                Block_scale = T.alloc_shared([block_n, MXFP4_SCALES_PER_TOKEN], accum_dtype)
-            P_shared = T.alloc_shared([block_m, block_n], compute_dtype)
+                Block_scale = T.alloc_shared([block_n, MXFP4_SCALES_PER_TOKEN], f32)
+            P_shared = T.alloc_shared([block_m, block_n], bf16)
             # Paged: the cache rows of the current group of tiles (flat kernels compute rows in place).
+            Group_rows = None
             if cfg.page_size:
                 Group_rows = T.alloc_shared([cfg.tiles_per_group, block_n], "int32", scope=cfg.row_table_scope)
             # Scores and output accumulators, [query row, token] / [query row, dim], or transposed (kv_rows_as_m).
-            acc_s = T.alloc_fragment(tr([block_m, block_n]), accum_dtype)
-            acc_o = T.alloc_fragment(tr([block_m, KV_LORA_RANK]), accum_dtype)
-            row_max = T.alloc_fragment([block_m], accum_dtype)
-            row_max_prev = T.alloc_fragment([block_m], accum_dtype)
-            row_max_safe = T.alloc_fragment([block_m], accum_dtype)
-            rescale = T.alloc_fragment([block_m], accum_dtype)
-            row_sum = T.alloc_fragment([block_m], accum_dtype)
-            denom = T.alloc_fragment([block_m], accum_dtype)
-            if fused:
-                T.import_source(MERGE_CUDA_SOURCE)
-                merge_acc = T.alloc_local([4], accum_dtype)  # the merged chunk (weighted sum)
-                merge_lse = T.alloc_local([MERGE_SPLITS], accum_dtype)  # a step's splits' LSEs
-                merge_stage = T.alloc_local([MERGE_SPLITS * 4], accum_dtype)  # a step's splits' partial chunks
-                merge_max = T.alloc_local([2], accum_dtype)  # running max LSE of the chunk's row; a step's max
-                merge_denom = T.alloc_local([1], accum_dtype)  # running sum of weights
+            acc_s = T.alloc_fragment(c.tr([block_m, block_n]), f32)
+            acc_o = T.alloc_fragment(c.tr([block_m, KV_LORA_RANK]), f32)
+            row_max = T.alloc_fragment([block_m], f32)
+            row_max_prev = T.alloc_fragment([block_m], f32)
+            row_max_safe = T.alloc_fragment([block_m], f32)
+            rescale = T.alloc_fragment([block_m], f32)
+            row_sum = T.alloc_fragment([block_m], f32)
+            denom = T.alloc_fragment([block_m], f32)
+            if c.fused:
+                T.import_source(steps.MERGE_CUDA_SOURCE)
+                merge_acc = T.alloc_local([4], f32)  # the merged chunk (weighted sum)
+                merge_lse = T.alloc_local([MERGE_SPLITS], f32)  # a step's splits' LSEs
+                merge_stage = T.alloc_local([MERGE_SPLITS * 4], f32)  # a step's splits' partial chunks
+                merge_max = T.alloc_local([2], f32)  # running max LSE of the chunk's row; a step's max
+                merge_denom = T.alloc_local([1], f32)  # running sum of weights
                 if cfg.amax_in_kernel:
                     Amax_bits = T.alloc_shared([1], "int32")  # the CTA's amax(|Q|) slice, as float bits
                 tx = T.get_thread_binding()
+            k = SimpleNamespace(Q_shared=Q_shared, Qpe_shared=Qpe_shared, KV_shared=KV_shared, Kpe_shared=Kpe_shared,
+                                KV_raw=KV_raw, Block_scale=Block_scale, P_shared=P_shared, acc_s=acc_s, acc_o=acc_o,
+                                row_max=row_max, row_max_prev=row_max_prev, row_max_safe=row_max_safe,
+                                rescale=rescale, row_sum=row_sum, denom=denom)
 
             # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
             if cfg.flash_io:  # kv_indptr is cache_seqlens; s_q queries per sequence (the paged rows need no offset)
                 kv_begin = T.alloc_var("int32", init=0)
                 kv_len = T.alloc_var("int32", init=kv_indptr[seq_id])
-                q_begin = T.alloc_var("int32", init=seq_id * s_q)
-                q_len = T.alloc_var("int32", init=s_q)
+                q_begin = T.alloc_var("int32", init=seq_id * c.s_q)
+                q_len = T.alloc_var("int32", init=c.s_q)
             else:
                 kv_begin = T.alloc_var("int32", init=kv_indptr[seq_id])
                 kv_len = T.alloc_var("int32", init=kv_indptr[seq_id + 1] - kv_indptr[seq_id])
                 q_begin = T.alloc_var("int32", init=qo_indptr[seq_id])
                 q_len = T.alloc_var("int32", init=qo_indptr[seq_id + 1] - qo_indptr[seq_id])
-            # Split s of a sequence covers [s * chunk, (s + 1) * chunk) of its tokens, chunk a multiple of block_n.
-            chunk = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(kv_len, n_splits), block_n) * block_n)
+            chunk = T.alloc_var("int32", init=steps.split_chunk(kv_len, n_splits, block_n))
             split_lo = T.alloc_var("int32", init=split_id * chunk)
             split_hi = T.alloc_var("int32", init=T.min(split_lo + chunk, kv_len))
-            num_tiles = T.alloc_var("int32", init=T.ceildiv(T.max(split_hi - split_lo, 0), block_n))
-            # a8w8: the per-tensor Q scale from amax, rounded to bf16 as torch computes it (amax / fp8_max in bf16).
+            num_tiles = T.alloc_var("int32", init=steps.tile_count(split_lo, split_hi, block_n))
+            # a8w8: the per-tensor Q scale from amax, rounded to bf16 as torch computes it (amax / fp8_max in bf16);
+            # with ``amax_in_kernel`` the amax this kernel reduces into Q_scale (read through L2 after the barrier).
             if cfg.amax_in_kernel:
-                reduce_amax(Q, Q_scale, Amax_bits, n_splits, tx, split_id, seq_id, hg)
-            q_scale = T.alloc_var(
-                accum_dtype,
-                init=T.cast(T.cast(T.max(q_scale_arg(Q_scale), AMAX_FLOOR) / fp8_max, "bfloat16"), accum_dtype)
-                if cfg.q_format == "fp8"
-                else q_scale_arg(Q_scale),
-            )
+                steps.reduce_amax(c, Q, Q_scale, Amax_bits, n_splits, tx, split_id, seq_id, hg)
+            q_scale = T.alloc_var(f32, init=steps.q_scale_of(
+                cfg.q_format, cfg.fp8_dtype, steps.merge_load(Q_scale, 0) if cfg.amax_in_kernel else Q_scale[0]))
             # Scores are scaled once, in base 2; fp8 per-tensor scales of Q and K fold in here.
-            score_scale = T.alloc_var(accum_dtype, init=sm_scale * LOG2E * q_scale * KV_scale[0])
-            out_scale = T.alloc_var(accum_dtype, init=KV_scale[0])
+            score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * KV_scale[0])
+            out_scale = T.alloc_var(f32, init=KV_scale[0])
+            v = SimpleNamespace(q_begin=q_begin, q_len=q_len, kv_len=kv_len, split_hi=split_hi, q_scale=q_scale,
+                                score_scale=score_scale)
 
-            for q_pass in T.serial(T.ceildiv(q_len, q_tile)):
-                # Stage 1: Q rows (row r = query q_pass*q_tile + r // block_h, head hg*block_h + r % block_h).
-                for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                    Q_shared[r, d] = q_element(Q, q_begin, q_len, q_scale, q_pass, hg, r, d)
-                for r, d in T.Parallel(block_m, ROPE_DIM):
-                    Qpe_shared[r, d] = q_element(Q, q_begin, q_len, q_scale, q_pass, hg, r, KV_LORA_RANK + d)
+            for q_pass in T.serial(T.ceildiv(q_len, c.q_tile)):
+                _load_q_rows(c, k, v, Q, q_pass, hg)
                 T.fill(acc_o, 0)
                 T.fill(denom, 0)
-                T.fill(row_max, -T.infinity(accum_dtype))
+                T.fill(row_max, -T.infinity(f32))
 
                 # The KV loop: groups of ``tiles_per_group`` tiles, each group a software pipeline of static
                 # length (TileLang 0.1.15 cannot pipeline a loop whose trip count varies per CTA). Tiles past the
@@ -542,109 +495,37 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                     if cfg.page_size:
                         # Stage 2a (paged): the group's cache rows from the page table, one lookup per row.
                         for t, i in T.Parallel(cfg.tiles_per_group, block_n):
-                            Group_rows[t, i] = paged_row(
-                                Page_table, seq_id, split_lo + (group * cfg.tiles_per_group + t) * block_n, split_hi, i
+                            Group_rows[t, i] = _paged_row(
+                                c, Page_table, seq_id, split_lo + (group * cfg.tiles_per_group + t) * block_n,
+                                split_hi, i
                             )
                     for t_in in T.Pipelined(cfg.tiles_per_group, num_stages=cfg.num_stages):
                         tile_lo = split_lo + (group * cfg.tiles_per_group + t_in) * block_n
-                        row_of = tile_rows(Group_rows if cfg.page_size else None, t_in, kv_begin, tile_lo, split_hi)
-                        # Stage 2: the KV tile as bf16 in shared memory.
-                        if cfg.kv_format == "bf16":
-                            for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                KV_shared[i, d] = KV[row_of(i), d]
-                            for i, d in T.Parallel(block_n, ROPE_DIM):
-                                Kpe_shared[i, d] = KV[row_of(i), KV_LORA_RANK + d]
-                        elif staged:
-                            for i, c in T.Parallel(block_n, kv_cols):
-                                KV_raw[i, c] = KV[row_of(i), c]
-                        if cfg.kv_format == "fp8":
-                            # fp8 -> bf16 is exact; the per-tensor scale is applied to scores and output instead.
-                            for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                KV_shared[i, d] = T.cast(compressed(KV_raw, row_of, i, d), compute_dtype)
-                            for i, d in T.Parallel(block_n, ROPE_DIM):
-                                Kpe_shared[i, d] = T.cast(compressed(KV_raw, row_of, i, KV_LORA_RANK + d), compute_dtype)
-                        if cfg.kv_format == "mxfp4":
-                            # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127; 255 is NaN).
-                            for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
-                                e = T.cast(KV_scales[row_of(i) * scale_stride + b], "int32")
-                                Block_scale[i, b] = T.if_then_else(
-                                    e == 0,
-                                    T.float32(5.877471754111438e-39),
-                                    T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.shift_left(e, 23)), "float32"),
-                                )
-                            # Values = e2m1 code * power-of-two scale: exact in bf16. Latent and rope parts are separate
-                            # loops (one conditional store per element defeats TileLang's vectorizer).
-                            for i, d in T.Parallel(block_n, KV_LORA_RANK):
-                                KV_shared[i, d] = T.cast(
-                                    mxfp4_element(KV_raw, row_of, Block_scale, i, d), compute_dtype
-                                )
-                            for i, d in T.Parallel(block_n, ROPE_DIM):
-                                Kpe_shared[i, d] = T.cast(
-                                    mxfp4_element(KV_raw, row_of, Block_scale, i, KV_LORA_RANK + d),
-                                    compute_dtype,
-                                )
-
-                        # Stage 3: S = Q K^T over the 512 latent + 64 rope dims.
-                        if cfg.kv_rows_as_m:
-                            T.gemm(KV_shared, Q_shared, acc_s, transpose_B=True, clear_accum=True)
-                            T.gemm(Kpe_shared, Qpe_shared, acc_s, transpose_B=True)
-                        else:
-                            T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                            T.gemm(Qpe_shared, Kpe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                        for r, j in T.Parallel(block_m, block_n):
-                            qi = q_pass * q_tile + r // block_h
-                            horizon = split_hi
-                            if cfg.causal:
-                                # query qi of q_len sees positions [0, kv_len - q_len + qi]
-                                horizon = T.min(split_hi, kv_len - q_len + qi + 1)
-                            acc_s[tr(r, j)] = T.if_then_else(
-                                tile_lo + j < horizon, acc_s[tr(r, j)] * score_scale, -T.infinity(accum_dtype)
-                            )
-
-                        # Stage 4: online softmax (base 2). A row with no visible token yet keeps max -inf; the safe
-                        # max (0) keeps exp2 away from (-inf) - (-inf).
-                        T.copy(row_max, row_max_prev)
-                        T.reduce_max(acc_s, row_max, dim=token_axis, clear=False)
-                        for r in T.Parallel(block_m):
-                            row_max_safe[r] = T.if_then_else(row_max[r] == -T.infinity(accum_dtype), 0, row_max[r])
-                            rescale[r] = T.exp2(row_max_prev[r] - row_max_safe[r])
-                        for r, j in T.Parallel(block_m, block_n):
-                            acc_s[tr(r, j)] = T.exp2(acc_s[tr(r, j)] - row_max_safe[r])
-                        T.reduce_sum(acc_s, row_sum, dim=token_axis)
-                        for r in T.Parallel(block_m):
-                            denom[r] = denom[r] * rescale[r] + row_sum[r]
-                        for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                            acc_o[tr(r, d)] *= rescale[r]
-                        if cfg.kv_rows_as_m:
-                            for r, j in T.Parallel(block_m, block_n):
-                                P_shared[r, j] = T.cast(acc_s[j, r], compute_dtype)
-                        else:
-                            T.copy(acc_s, P_shared)
-
-                        # Stage 5: O += P V.
-                        if cfg.kv_rows_as_m:
-                            T.gemm(KV_shared, P_shared, acc_o, transpose_A=True, transpose_B=True)
-                        else:
-                            T.gemm(P_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                        row_of = _tile_rows(c, Group_rows, t_in, kv_begin, tile_lo, split_hi)
+                        _load_kv_tile(c, k, KV, KV_scales, scale_stride, row_of)
+                        _scores(c, k, v, tile_lo, q_pass)
+                        # Stage 4: the online-softmax step (base 2).
+                        steps.online_softmax_step(c, k)
+                        _accumulate_pv(c, k)
 
                 # Stage 6: normalise and write: the output (one split), or this split's partial.
-                if fused:
+                if c.fused:
                     if n_splits == 1:
-                        write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
+                        _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
                     else:
-                        write_partial(O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len,
-                                      q_pass, hg, split_id)
+                        _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len,
+                                       q_pass, hg, split_id)
                 elif cfg.split:
-                    write_partial(O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass,
-                                  hg, split_id)
+                    _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len,
+                                   q_pass, hg, split_id)
                 else:
-                    write_output(Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
+                    _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
 
             # Stage 7 (fused_combine, several splits; n_splits is the same in every CTA, so all reach the barrier).
-            if fused:
+            if c.fused:
                 if n_splits > 1:
-                    merge_splits(O_partial, LSE_partial, Out, LSE, n_splits, merge_acc, merge_lse, merge_stage,
-                                 merge_max, merge_denom, tx, q_begin, q_len, split_id, hg)
+                    steps.merge_splits(c, O_partial, LSE_partial, Out, LSE, n_splits, merge_acc, merge_lse,
+                                       merge_stage, merge_max, merge_denom, tx, q_begin, q_len, split_id, hg)
                 if cfg.amax_in_kernel:
                     # Every CTA read amax(|Q|) before the merge's barrier (one split: this one): the cell goes back
                     # to zero for the next call.
@@ -653,18 +534,21 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                     if split_id == 0 and seq_id == 0 and hg == 0 and tx == 0:
                         Q_scale[0] = 0
 
-    if cfg.dim_split:
-        decode_body = _dim_split_body(
-            cfg, dict(total_q=total_q, indptr_len=indptr_len, scale_len=scale_len, num_splits=num_splits)
-        )
-    if cfg.page_size:
-        dims = dict(
-            total_q=total_q, total_kv=total_kv, indptr_len=indptr_len, scale_len=scale_len, num_splits=num_splits
-        )
-        if cfg.flash_io:
-            dims.update(batch=q_seqs, s_q=s_q)
-        return _paged_prim_func(cfg, decode_body, q_dtype, kv_dtype, kv_cols, dims)
-    if fused:
+    return decode_body
+
+
+# ---- the prim_func signatures ----------------------------------------------------------------------------------------
+# TileLang parses each signature from its source, so the forms (flat / paged / FlashMLA-shaped x fused / split /
+# direct) are written out; they differ only in the arguments named in mla_decode_kernel's docstring, and all pass
+# them to the same body.
+
+
+def _flat_prim_func(c, decode_body):
+    """Flat cache: sequence b owns cache rows kv_indptr[b]:kv_indptr[b + 1]."""
+    heads, q_dtype, kv_dtype, kv_cols = c.heads, c.q_dtype, c.kv_dtype, c.kv_cols
+    total_q, total_kv, indptr_len, scale_len, num_splits = c.total_q, c.total_kv, c.indptr_len, c.scale_len, c.num_splits
+    accum_dtype = "float32"
+    if c.fused:
         o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
 
         @T.prim_func
@@ -688,7 +572,7 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                         num_splits, O_partial, LSE_partial, Out, LSE)
 
         return mla_decode_fused
-    if cfg.split:
+    if c.cfg.split:
 
         @T.prim_func
         def mla_decode_split(
@@ -729,17 +613,14 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
     return mla_decode_direct
 
 
-def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtype: str, kv_cols: int, dims: dict):
+def _paged_prim_func(c, decode_body):
     """The paged-cache variant: as the flat one plus ``Page_table (batch, max_pages) int32``; KV (and the mxfp4
-    scales) are indexed by physical row = page * page_size + slot, i.e. the paged cache flattened to rows.
-    ``dims`` are the flat kernel's dynamic dims, which ``decode_body`` closes over."""
-    heads, accum_dtype = cfg.num_heads, "float32"
-    total_q, cache_rows, indptr_len, scale_len = dims["total_q"], dims["total_kv"], dims["indptr_len"], dims["scale_len"]
-    num_splits = dims["num_splits"]
+    scales) are indexed by physical row = page * page_size + slot, i.e. the paged cache flattened to rows."""
+    cfg, heads, q_dtype, kv_dtype, kv_cols, accum_dtype = c.cfg, c.heads, c.q_dtype, c.kv_dtype, c.kv_cols, "float32"
+    total_q, cache_rows, indptr_len, scale_len = c.total_q, c.total_kv, c.indptr_len, c.scale_len
+    num_splits = c.num_splits
     batch, max_pages = T.dynamic("batch, max_pages")
 
-    if cfg.flash_io:
-        return _flash_prim_func(cfg, decode_body, q_dtype, kv_dtype, kv_cols, dims)
     if cfg.fused_combine:
         o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
 
@@ -809,11 +690,11 @@ def _paged_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
     return mla_decode_direct_paged
 
 
-def _flash_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtype: str, kv_cols: int, dims: dict):
+def _flash_prim_func(c, decode_body):
     """The paged fused kernel in FlashMLA's argument shapes (``flash_io``): the same body over row views of Q, the
     cache and Out (``T.reshape``: no copy), the lengths read from cache_seqlens, the LSE as (batch, H, s_q)."""
-    heads, accum_dtype = cfg.num_heads, "float32"
-    batch, s_q, scale_len = dims["batch"], dims["s_q"], dims["scale_len"]
+    cfg, heads, q_dtype, kv_dtype, kv_cols, accum_dtype = c.cfg, c.heads, c.q_dtype, c.kv_dtype, c.kv_cols, "float32"
+    batch, s_q, scale_len = c.num_seqs, c.s_q, c.scale_len
     num_blocks, max_pages = T.dynamic("num_blocks, max_pages")
     o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
 
@@ -841,359 +722,3 @@ def _flash_prim_func(cfg: DecodeKernelConfig, decode_body, q_dtype: str, kv_dtyp
                     sm_scale, num_splits, O_partial, LSE_partial, Out_rows, LSE)
 
     return mla_decode_flash
-
-
-
-# ------------------------------------------------------------------------------------------------ dim_split (gfx942)
-
-# Device helpers of the dim_split program (HIP only):
-# - mla_ds_copy16 / mla_ds_copy8 / mla_ds_load_i32: one whole-vector global load into the lane's registers (or one
-#   page-table entry). Rows and pages are clamped into the cache by construction, which TileLang cannot prove, so its
-#   bounds-check legalisation would put every load in a branch of its own; loads in branches make the compiler wait
-#   for them at the join (s_waitcnt vmcnt(0)), which serialises the tile's loads. Going through the address keeps
-#   them unconditional.
-# - mla_ds_load_u32: unaligned 32-bit load of the e8m0 scale bytes (their rows have any stride and offset, so no
-#   alignment holds; gfx942 under amdhsa reads a dword at any byte address with one global_load_dword).
-# (The source lands above TileLang's includes: it uses compiler types only.)
-_DS_HIP_HELPERS = """
-typedef unsigned int mla_u32x4 __attribute__((ext_vector_type(4)));
-typedef unsigned int mla_u32x2 __attribute__((ext_vector_type(2)));
-static __device__ inline __attribute__((always_inline)) void mla_ds_copy16(void* dst, const void* src) {
-  *(mla_u32x4*)dst = *(const mla_u32x4*)src;
-}
-static __device__ inline __attribute__((always_inline)) void mla_ds_copy8(void* dst, const void* src) {
-  *(mla_u32x2*)dst = *(const mla_u32x2*)src;
-}
-static __device__ inline __attribute__((always_inline)) int mla_ds_load_i32(const int* p) {
-  return *p;
-}
-static __device__ inline __attribute__((always_inline)) unsigned int mla_ds_load_u32(const unsigned char* p) {
-  unsigned int v;
-  __builtin_memcpy(&v, p, 4);
-  return v;
-}
-"""
-
-
-def _dim_split_body(cfg: DecodeKernelConfig, dims: dict):
-    """The decode program for gfx942 as wave-level code (``cfg.dim_split``): same arguments and results as
-    ``decode_body``, different work split. One workgroup = 8 wave64s sharing one 32-token KV tile per step, so one
-    workgroup of 48 KiB LDS keeps 8 waves on a CU (2 per SIMD). Per tile:
-      1. each lane already holds the tile in registers (issued one tile ahead, whole-vector loads, rows of a paged
-         cache looked up two tiles ahead), and issues the loads of the next tile before computing this one;
-      2. S^T partial = K Q^T over the wave's 64 latent dims (+ the 64 rope dims on wave 0) on MFMA, both operands
-         from registers (the lane's 16 dims of two tokens; Q once per pass); the wave writes its V^T slice
-         (64 dims x 32 tokens, bf16, tokens contiguous) to its own LDS region;
-      3. the 8 partial score tiles meet in LDS (one barrier) and every wave sums them: lane (m, g) holds head m,
-         tokens 8g + 2r + j, exactly the P operand of the P V MFMA, so P never goes through LDS;
-      4. online softmax in base 2 per head (max / sum across the 4 lane groups with two xor shuffles);
-      5. O^T += V^T P^T for the wave's 64 output dims: V^T read with 16-byte LDS reads, P from registers; lane
-         (m, g) accumulates head m, dims 16 nt + 4g + r, so the softmax rescale is lane-local.
-    The MFMA lane layouts (16x16x16 bf16; 16x16x32 fp8): operand A lane (i, kgroup) = (lane % 16, lane // 16),
-    B lane (j, kgroup), result D[4 (lane // 16) + r][lane % 16]; the k order inside a step is free as long as
-    both operands use the same one."""
-    from tilelang.rocm.language.tir import tvm_mfma
-
-    from tl_kernels import dequant_hip
-
-    heads, block_h, block_n = cfg.num_heads, cfg.block_h, cfg.block_n
-    head_groups = heads // block_h
-    kv_cols, kv_dtype = _kv_storage(cfg)
-    fp8_max = FP8_MAX[cfg.fp8_dtype]
-    bf16, f32 = "bfloat16", "float32"
-    mx = cfg.kv_format == "mxfp4"
-    lane_elems = 8 if mx else 16  # storage elements per lane, token and chunk (mxfp4: bytes of two codes)
-    chunk_cols = DS_DIMS // 2 if mx else DS_DIMS  # storage columns of one 64-dim chunk
-    lane_cols = lane_elems  # a lane's columns in a chunk start at g * lane_cols
-    lane_bytes = {"bf16": 32, "fp8": 16, "mxfp4": 8}[cfg.kv_format]  # per lane, token and chunk
-    copy_fn = "mla_ds_copy16" if lane_bytes >= 16 else "mla_ds_copy8"
-    vec_elems = lane_elems * min(lane_bytes, 16) // lane_bytes  # elements of one load
-    op_dtype = cfg.fp8_dtype if cfg.fp8_mfma else bf16  # Q K^T operand type
-    if cfg.fp8_mfma:
-        qk_mfma, qk_vec, qk_k = "f32_16x16x32_fp8_fp8", f"{cfg.fp8_dtype}x8", 8
-    else:
-        qk_mfma, qk_vec, qk_k = "f32_16x16x16bf16_1k", "bfloat16x4", 4
-    qk_steps = 16 // qk_k  # MFMA k-steps per 16-dim lane slice
-    raw_operand = cfg.kv_format == "bf16" or cfg.fp8_mfma  # the loaded bytes are the K operand as they are
-    # Dim of element e of a lane's 16 decoded elements: the mxfp4 decode pairs codes (k, k + 4) of each word
-    # (dequant_hip.E2M1_ORDER); Q is loaded in the same order and V^T rows are written by their true dim.
-    order = dequant_hip.e2m1_order if mx else (lambda e: e)
-    total_q, indptr_len, scale_len = dims["total_q"], dims["indptr_len"], dims["scale_len"]
-    num_splits = dims["num_splits"]
-    ln2 = 0.6931471805599453
-    ninf = -T.infinity(f32)
-
-    def chunk_col(st, ch):
-        """First storage column of the lane's slice of chunk ch (0: the wave's latent dims, 1: rope): ds_dim(chunk,
-        g, 0) in storage columns."""
-        return (st.wave * chunk_cols if ch == 0 else (KV_LORA_RANK // DS_DIMS) * chunk_cols) + st.g * lane_cols
-
-    def token_pos(st, t, j):
-        """Position in the sequence of token 2m + j of tile t, clamped to the split (finite data)."""
-        return T.min(st.split_lo + t * block_n + ds_token(st.m, j), st.split_hi - 1)
-
-    @T.macro
-    def look_up_rows(st, slot, t):
-        # Paged: token p is slot p % page_size of page Page_table[b, p // page_size].
-        for j in T.unroll(2):
-            pos = token_pos(st, t, j)
-            page_entry = st.seq_id * st.Page_table.shape[1] + pos // cfg.page_size  # in the table (pos is clamped)
-            # Only the page number is kept: the row is formed where the KV loads need it, so no arithmetic waits on
-            # this load before then.
-            st.rows[slot, j] = T.call_extern("int32", "mla_ds_load_i32", st.Page_table.access_ptr("r", offset=page_entry))
-
-    def row_of(st, slot, t, j):
-        if cfg.page_size:
-            return st.rows[slot, j] * cfg.page_size + token_pos(st, t, j) % cfg.page_size
-        return st.kv_begin + token_pos(st, t, j)
-
-    @T.macro
-    def load_scale(st, b, slot, t, j, ch):
-        # e8m0 scale of the lane's 16 dims (one 32-element block): the dword that holds its byte, kept in bounds
-        # at the end of the scale array (the scale rows have any stride and offset: no alignment to rely on).
-        block = (st.wave * 2 if ch == 0 else MXFP4_SCALES_PER_TOKEN - 2) + st.g // 2
-        pos = row_of(st, slot, t, j) * st.scale_stride + block
-        start = T.min(pos, scale_len - 4)
-        st.sc_word[b, ch, j] = T.call_extern("uint32", "mla_ds_load_u32", st.KV_scales.access_ptr("r", offset=start))
-        st.sc_shift[b, ch, j] = (pos - start) * 8
-
-    @T.macro
-    def load_q(st, ch, Q, row, head):
-        # The lane's Q slice of chunk ch (head m; dims 16g .. 16g + 15 of the chunk), once per query pass.
-        if mx:  # in the decode's element order (a register permute of one vector load)
-            for e in T.vectorized(16):
-                st.q_tmp[e] = Q[row, head, chunk_col(st, ch) + e]
-            for e in T.unroll(16):
-                st.q_op[ch, e] = st.q_tmp[order(e)]
-        else:
-            for e in T.vectorized(16):
-                value = Q[row, head, chunk_col(st, ch) + e]
-                if cfg.q_format == "fp8":
-                    scaled = T.cast(T.cast(T.cast(value, f32) / st.q_scale, bf16), f32)
-                    value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
-                st.q_op[ch, e] = T.cast(value, op_dtype)
-
-    @T.macro
-    def load_chunk(st, b, slot, t, j, ch):
-        for v in T.unroll(max(lane_bytes // 16, 1)):
-            T.evaluate(T.call_extern(
-                "handle", copy_fn, T.address_of(st.kv_raw[b, ch, j, v * vec_elems]),
-                st.KV.access_ptr("r", offset=row_of(st, slot, t, j) * kv_cols + chunk_col(st, ch) + v * vec_elems),
-            ))
-
-    @T.macro
-    def load_tile(st, b, slot, t):
-        # Whole-vector loads of the lane's two tokens, all issued before any is used. Every wave loads the rope slice
-        # too (only wave 0 multiplies it; the other 7 read lines the CU has in L1): a load under a branch makes the
-        # compiler wait for it at the join (vmcnt(0)), which would serialise the tile's loads.
-        for j in T.unroll(2):
-            load_chunk(st, b, slot, t, j, 0)
-            load_chunk(st, b, slot, t, j, 1)
-            if mx:
-                load_scale(st, b, slot, t, j, 0)
-                load_scale(st, b, slot, t, j, 1)
-        # Keep the compiler's scheduler from sinking these loads below the compute that follows (it would then wait
-        # for the previous tile with nothing else in flight).
-        T.evaluate(T.call_extern("handle", "__builtin_amdgcn_sched_barrier", 0))
-
-    def scale_byte(st, b, ch, j):
-        """mxfp4: the e8m0 byte of the lane's 16 dims of chunk ch, token j."""
-        return T.shift_right(st.sc_word[b, ch, j], T.cast(st.sc_shift[b, ch, j], "uint32"))
-
-    @T.macro
-    def decode(st, dst, b, ch, j):
-        # The lane's 16 elements of chunk ch, token j, as bf16 (exact for every format): one device function call
-        # on whole words (tl_kernels/dequant_hip.py).
-        if mx:
-            dequant_hip.e2m1x16_to_bf16(T.address_of(dst[j, 0]), T.address_of(st.kv_raw[b, ch, j, 0]), scale_byte(st, b, ch, j))
-        else:
-            dequant_hip.fp8x16_to_bf16(T.address_of(dst[j, 0]), T.address_of(st.kv_raw[b, ch, j, 0]))
-
-    @T.macro
-    def qk_chunk(st, b, ch):
-        # S^T partial (token slot, head) += K Q^T over the 16 dims of each of the 4 lane groups.
-        if not raw_operand:
-            for j in T.unroll(2):
-                decode(st, st.k_op, b, ch, j)
-        for j in T.unroll(2):
-            for a in T.unroll(qk_steps):
-                if raw_operand:
-                    tvm_mfma(qk_mfma, "row", "row", qk_vec, qk_vec, "float32x4",
-                             st.kv_raw.data, ((b * 2 + ch) * 2 + j) * qk_steps + a, st.q_op.data, ch * qk_steps + a,
-                             st.s_acc.data, j, dtype="float32x4")
-                else:
-                    tvm_mfma(qk_mfma, "row", "row", qk_vec, qk_vec, "float32x4",
-                             st.k_op.data, j * qk_steps + a, st.q_op.data, ch * qk_steps + a, st.s_acc.data, j,
-                             dtype="float32x4")
-
-    @T.macro
-    def compute_tile(st, b, t, q_pass):
-        tile_lo = st.split_lo + t * block_n
-        for i in T.unroll(DS_SCORES):
-            st.s_acc[i] = 0
-        qk_chunk(st, b, 0)
-        # V^T of the wave's latent dims, bf16, tokens contiguous: 2 tokens per 4-byte write (one permute per pair).
-        if cfg.kv_format == "bf16":
-            dequant_hip.pair_tokens(T.address_of(st.v_pairs[0]), T.address_of(st.kv_raw[b, 0, 0, 0]), T.address_of(st.kv_raw[b, 0, 1, 0]))
-        else:
-            if raw_operand:  # a8w8: K went to the fp8 MFMA as loaded; V needs bf16
-                for j in T.unroll(2):
-                    decode(st, st.k_op, b, 0, j)
-            dequant_hip.pair_tokens(T.address_of(st.v_pairs[0]), T.address_of(st.k_op[0, 0]), T.address_of(st.k_op[1, 0]))
-        for e in T.unroll(16):
-            for j in T.vectorized(2):
-                st.VT[st.wave, st.g * 16 + order(e), ds_vt_col(st.g * 16 + order(e), ds_token(st.m, 0)) + j] = st.v_pairs[2 * e + j]
-        if st.wave == 0:
-            qk_chunk(st, b, 1)
-        for i in T.vectorized(DS_SCORES):
-            st.S_part[st.wave, st.lane, i] = st.s_acc[i]
-        T.sync_threads()
-        # Stage 3: the full scores, reduce-scattered: wave w sums score w of every lane over the 8 partials (7 adds
-        # instead of 56 per wave), the 8 sums meet in LDS, every wave reads its lanes' 8 (two 16-byte reads).
-        st.s_sum[0] = 0
-        for w in T.unroll(DS_WAVES):
-            st.s_sum[0] += st.S_part[w, st.lane, st.wave]
-        st.S_tot[st.lane, st.wave] = st.s_sum[0]
-        T.sync_threads()
-        for i in T.vectorized(DS_SCORES):
-            st.s_tot[i] = st.S_tot[st.lane, i]
-        horizon = st.split_hi
-        if cfg.causal:
-            horizon = T.min(st.split_hi, st.kv_len - st.q_len + q_pass + 1)
-        for i in T.unroll(DS_SCORES):
-            st.s_tot[i] = T.if_then_else(tile_lo + ds_score_token(st.g, i) < horizon, st.s_tot[i] * st.score_scale, ninf)
-        # Stage 4: online softmax (base 2) of head m: the tile's max and sum over 8 scores and 4 lane groups.
-        st.row_max_new[0] = st.row_max[0]
-        for i in T.unroll(DS_SCORES):
-            st.row_max_new[0] = T.max(st.row_max_new[0], st.s_tot[i])
-        st.row_max_new[0] = T.max(st.row_max_new[0], T.shfl_xor(st.row_max_new[0], 16, width=64))
-        st.row_max_new[0] = T.max(st.row_max_new[0], T.shfl_xor(st.row_max_new[0], 32, width=64))
-        st.row_safe[0] = T.if_then_else(st.row_max_new[0] == ninf, 0, st.row_max_new[0])
-        st.rescale[0] = T.exp2(st.row_max[0] - st.row_safe[0])
-        st.row_max[0] = st.row_max_new[0]
-        st.row_sum[0] = 0
-        for i in T.unroll(DS_SCORES):
-            st.s_tot[i] = T.exp2(st.s_tot[i] - st.row_safe[0])
-            st.row_sum[0] += st.s_tot[i]
-        st.row_sum[0] += T.shfl_xor(st.row_sum[0], 16, width=64)
-        st.row_sum[0] += T.shfl_xor(st.row_sum[0], 32, width=64)
-        st.denom[0] = st.denom[0] * st.rescale[0] + st.row_sum[0]
-        for i in T.unroll(16):
-            st.acc_o[i] *= st.rescale[0]
-        for s in T.unroll(2):
-            for h in T.unroll(2):
-                dequant_hip.pack_bf16x2(T.address_of(st.p_op[s * 4 + 2 * h]), st.s_tot[ds_p_score(s, 2 * h)], st.s_tot[ds_p_score(s, 2 * h + 1)])
-        # Stage 5: O^T (dims, heads) += V^T P^T, 4 blocks of 16 dims, 2 k-steps of 16 tokens.
-        for nt in T.unroll(4):
-            for v in T.vectorized(8):
-                st.v_op[v] = st.VT[st.wave, nt * 16 + st.m, ds_vt_col(nt * 16 + st.m, st.g * 8) + v]
-            for s in T.unroll(2):
-                tvm_mfma("f32_16x16x16bf16_1k", "row", "row", "bfloat16x4", "bfloat16x4", "float32x4",
-                         st.v_op.data, s, st.p_op.data, s, st.acc_o.data, nt, dtype="float32x4")
-        # (TileLang's barrier pass adds the barrier that lets the next tile overwrite V^T and the partial scores.)
-
-
-    @T.macro
-    def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale, n_splits,
-             O_partial, LSE_partial, Out, LSE):
-        with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
-            T.import_source(_DS_HIP_HELPERS + dequant_hip.HIP_SOURCE)
-            VT = T.alloc_shared([DS_WAVES, DS_DIMS, block_n], bf16)  # per wave: V^T of its 64 latent dims
-            S_part = T.alloc_shared([DS_WAVES, DS_LANES, DS_SCORES], f32)  # per wave: its partial scores
-            S_tot = T.alloc_shared([DS_LANES, DS_SCORES], f32)  # the tile's scores, [lane, score]
-            s_sum = T.alloc_local([1], f32)
-            kv_raw = T.alloc_local([2, 2, 2, lane_elems], kv_dtype)  # [ping-pong buffer, chunk, token j, element]
-            sc_word = T.alloc_local([2, 2, 2], "uint32")  # mxfp4: dword holding the lane's scale byte
-            sc_shift = T.alloc_local([2, 2, 2], "int32")  # mxfp4: bit offset of that byte in the dword
-            rows = T.alloc_local([2, 2], "int32")  # paged: page numbers [tile parity, token j]
-            q_op = T.alloc_local([2, 16], op_dtype)  # [chunk (latent, rope), dim]
-            k_op = T.alloc_local([2, 16], bf16)  # decoded K (a8w8: V) elements [token j, element] of one chunk
-            v_pairs = T.alloc_local([32], bf16)  # [2 e + j]: element e of token j (V^T pairs)
-            q_tmp = T.alloc_local([16], bf16)  # mxfp4: Q slice before the permute into the decode's order
-            s_acc = T.alloc_local([DS_SCORES], f32)  # MFMA result: [j * 4 + r] = S(head m, token 8g + 2r + j)
-            s_tot = T.alloc_local([DS_SCORES], f32)
-            p_op = T.alloc_local([8], bf16)  # [s * 4 + c] = P(head m, token 8g + 4s + c)
-            v_op = T.alloc_local([8], bf16)  # V^T(dim, tokens 8g .. 8g + 7)
-            acc_o = T.alloc_local([16], f32)  # [nt * 4 + r] = O(head m, dim 64 wave + 16 nt + 4g + r)
-            row_max = T.alloc_local([1], f32)
-            row_max_new = T.alloc_local([1], f32)
-            row_safe = T.alloc_local([1], f32)
-            rescale = T.alloc_local([1], f32)
-            row_sum = T.alloc_local([1], f32)
-            denom = T.alloc_local([1], f32)
-
-            tx = T.get_thread_binding()
-            wave = tx // DS_LANES
-            lane = tx % DS_LANES
-            m = lane % 16
-            g = lane // 16
-            kv_begin = T.alloc_var("int32", init=kv_indptr[seq_id])
-            kv_len = T.alloc_var("int32", init=kv_indptr[seq_id + 1] - kv_indptr[seq_id])
-            q_begin = T.alloc_var("int32", init=qo_indptr[seq_id])
-            q_len = T.alloc_var("int32", init=qo_indptr[seq_id + 1] - qo_indptr[seq_id])
-            chunk = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(kv_len, num_splits), block_n) * block_n)
-            split_lo = T.alloc_var("int32", init=split_id * chunk)
-            split_hi = T.alloc_var("int32", init=T.min(split_lo + chunk, kv_len))
-            num_tiles = T.alloc_var("int32", init=T.ceildiv(T.max(split_hi - split_lo, 0), block_n))
-            q_scale = T.alloc_var(
-                f32,
-                init=T.cast(T.cast(T.max(Q_scale[0], AMAX_FLOOR) / fp8_max, bf16), f32)
-                if cfg.q_format == "fp8"
-                else Q_scale[0],
-            )
-            score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * KV_scale[0])
-            out_scale = T.alloc_var(f32, init=KV_scale[0])
-            st = SimpleNamespace(
-                wave=wave, g=g, m=m, lane=lane, kv_raw=kv_raw, sc_word=sc_word, sc_shift=sc_shift, rows=rows, q_op=q_op,
-                k_op=k_op, v_pairs=v_pairs, q_tmp=q_tmp, s_acc=s_acc, s_tot=s_tot, p_op=p_op, v_op=v_op, acc_o=acc_o, split_lo=split_lo,
-                split_hi=split_hi, kv_begin=kv_begin, kv_len=kv_len, q_len=q_len, seq_id=seq_id, Page_table=Page_table,
-                KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, score_scale=score_scale, q_scale=q_scale, VT=VT, S_part=S_part, S_tot=S_tot, s_sum=s_sum,
-                row_max_new=row_max_new, row_max=row_max, row_safe=row_safe, rescale=rescale, row_sum=row_sum,
-                denom=denom,
-            )
-
-            for q_pass in T.serial(q_len):
-                # Stage 1: the lane's Q slices (head m; dims 16g .. 16g + 15 of its latent chunk and of the rope).
-                load_q(st, 0, Q, q_begin + q_pass, hg * block_h + m)
-                load_q(st, 1, Q, q_begin + q_pass, hg * block_h + m)
-                for i in T.unroll(16):
-                    acc_o[i] = 0
-                denom[0] = 0
-                row_max[0] = ninf
-                # The KV loop, unrolled by two over a ping-pong register buffer: the loads of tile t + 1 are in
-                # flight while tile t computes. Tiles past the split end are masked (finite clamped rows).
-                if num_tiles > 0:
-                    if cfg.page_size:
-                        look_up_rows(st, 0, 0)
-                        look_up_rows(st, 1, 1)
-                    load_tile(st, 0, 0, 0)
-                    if cfg.page_size:
-                        look_up_rows(st, 0, 2)
-                    for it in T.serial(T.ceildiv(num_tiles, 2)):
-                        load_tile(st, 1, 1, it * 2 + 1)
-                        if cfg.page_size:
-                            look_up_rows(st, 1, it * 2 + 3)
-                        compute_tile(st, 0, it * 2, q_pass)
-                        load_tile(st, 0, 0, it * 2 + 2)
-                        if cfg.page_size:
-                            look_up_rows(st, 0, it * 2 + 4)
-                        if it * 2 + 1 < num_tiles:
-                            compute_tile(st, 1, it * 2 + 1, q_pass)
-
-                # Stage 6: normalise and write (head m, dims 64 wave + 16 nt + 4g .. + 3).
-                for nt in T.unroll(4):
-                    for r in T.vectorized(4):
-                        value = T.if_then_else(denom[0] > 0, acc_o[nt * 4 + r] * out_scale / denom[0], 0)
-                        col = ds_out_dim(wave, nt, g, r)
-                        if cfg.split:
-                            O_partial[split_id, q_begin + q_pass, hg * block_h + m, col] = value
-                        else:
-                            Out[q_begin + q_pass, hg * block_h + m, col] = T.cast(value, bf16)
-                if tx < 16:
-                    lse2 = T.if_then_else(denom[0] > 0, T.log2(denom[0]) + row_max[0], ninf)
-                    if cfg.split:
-                        LSE_partial[split_id, q_begin + q_pass, hg * block_h + m] = lse2
-                    else:
-                        LSE[q_begin + q_pass, hg * block_h + m] = lse2 * ln2
-
-    return body

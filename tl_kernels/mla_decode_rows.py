@@ -31,12 +31,12 @@ number of splits are dynamic (the split count is a kernel argument), so a new sh
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tilelang.language as T
 
-from tl_kernels.mla_decode import KV_LORA_RANK, LOG2E, QK_DIM, ROPE_DIM
-
-LN2 = 0.6931471805599453  # ln(2): base-2 LSE -> natural log
+from tl_kernels import steps
+from tl_kernels.steps import KV_LORA_RANK, LN2, LOG2E, QK_DIM, ROPE_DIM
 WG = 128  # threads per warp group (setmaxnreg and wgmma work per warp group)
 ROWS = 64  # query rows per CTA: the wgmma M dimension
 HALF = KV_LORA_RANK // 2  # output columns per consumer warp group
@@ -164,6 +164,11 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
             row = kv_begin + pos
         return T.min(T.max(row, 0), cache_rows - 1)
 
+    # The online-softmax step of warp group 0 runs on S [row, token] and its half of O [row, dim].
+    softmax_ctx = SimpleNamespace(block_m=ROWS, block_n=block_n, token_axis=1, kv_major_loops=False,
+                                  out_dims=HALF,
+                                  tr=lambda *index: list(index[0]) if len(index) == 1 else index)
+
     def o_index(split, qi, h, d):
         return ((split * total_q + qi) * heads + h) * KV_LORA_RANK + d
 
@@ -219,6 +224,180 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
                 else:
                     O_partial[o_index(split_id, q_begin + qi, hg * block_h + r % block_h, col0 + d)] = value
 
+    # ---- warp group 0: S = Q K^T, the online softmax, O[:, :256] ----------------------------------------------
+
+    @T.macro
+    def load_q_rows(st, q_base):
+        # Stage 1: the pass's rows; row r is head hg * block_h + r % block_h of query q_base + r // block_h (0 past
+        # the sequence's queries).
+        for r, d in T.Parallel(ROWS, QK_DIM):
+            qi = q_base + r // block_h
+            value = T.if_then_else(
+                qi < st.q_len, st.Q[st.q_begin + T.min(qi, st.q_len - 1), st.hg * block_h + r % block_h, d],
+                T.cast(0, bf16)
+            )
+            if d < HALF:
+                st.Q_l[r, d] = value
+            elif d < KV_LORA_RANK:
+                st.Q_r[r, d - HALF] = value
+            else:
+                st.Q_rope[r, d - KV_LORA_RANK] = value
+        T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
+
+    @T.macro
+    def attend_tile(st, s, tile, tile_lo, q_pass, q_base, scales):
+        # Stage 2: S = Q K^T over 256 + 256 latent + 64 rope dims, kept in flight together.
+        T.wgmma_gemm(st.Q_l, st.KV_l[s], st.acc_s, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(st.Q_r, st.KV_r[s], st.acc_s, transpose_B=True)
+        T.wgmma_gemm(st.Q_rope, st.K_rope[s], st.acc_s, transpose_B=True)
+        T.wait_wgmma(0)
+        # Mask: past the split end; causal, query qi of q_len sees [0, kv_len - q_len + qi].
+        for r, j in T.Parallel(ROWS, block_n):
+            if cfg.causal:
+                horizon = T.min(st.split_hi, st.kv_len - st.q_len + q_base + r // block_h + 1)
+            else:
+                horizon = st.split_hi
+            st.acc_s[r, j] = T.if_then_else(tile_lo + j < horizon, st.acc_s[r, j] * scales.score_scale, -T.infinity(f32))
+        # Stage 3: online softmax in base 2, on this warp group's half of O (``steps.online_softmax_step``).
+        steps.online_softmax_step(softmax_ctx, st)
+        # Hand P and the rescale to warp group 1 (once it has read the previous tile's).
+        T.barrier_wait(st.p_free, ((q_pass * st.num_tiles + tile) & 1) ^ 1)
+        T.copy(st.acc_s, st.P_shared)
+        for r in T.Parallel(ROWS):
+            st.rescale_shared[r] = st.rescale[r]
+        T.fence_proxy_async()
+        T.barrier_arrive(st.p_ready)
+        # Stage 4: O[:, :256] += P V[:, :256].
+        T.gemm(st.P_shared, st.KV_l[s], st.acc_o)
+
+    @T.macro
+    def softmax_consumer(st, sm_scale, O_partial, LSE_partial, Out, LSE, num_splits):
+        T.set_max_nreg(cfg.softmax_regs, int(cfg.softmax_regs >= launch_regs))
+        score_scale = T.alloc_var(f32, init=sm_scale * LOG2E)
+        scales = SimpleNamespace(score_scale=score_scale)  # a macro argument would be copied: passed by name
+        for q_pass in T.serial(st.num_passes):
+            q_base = (q_pass * q_slots + st.q_slot) * q_group
+            load_q_rows(st, q_base)
+            T.fill(st.acc_o, 0)
+            T.fill(st.denom, 0)
+            T.fill(st.row_max, -T.infinity(f32))
+            for rnd in T.serial(st.rounds):
+                for s in list(range(stages)):  # static: the stage picks named buffers
+                    tile = rnd * stages + s
+                    tile_lo = st.split_lo + tile * block_n
+                    T.barrier_wait(st.kv_ready[s], (q_pass * st.rounds + rnd) & 1)
+                    if tile < st.num_tiles:
+                        attend_tile(st, s, tile, tile_lo, q_pass, q_base, scales)
+                        T.barrier_arrive(st.kv_free[s])
+                    else:
+                        T.barrier_arrive(st.kv_free[s])
+            # Stage 5: publish the row sums (once warp group 1 has read the previous pass's), write.
+            T.barrier_wait(st.stats_free, (q_pass & 1) ^ 1)
+            for r in T.Parallel(ROWS):
+                st.denom_shared[r] = st.denom[r]
+            T.barrier_arrive(st.stats_ready)
+            write_half(O_partial, Out, st.acc_o, st.denom, st.q_begin, q_base, st.q_len, st.hg, 0, st.split_id,
+                       num_splits)
+            for r in T.Parallel(ROWS):
+                qi = q_base + r // block_h
+                if qi < st.q_len:
+                    if num_splits == 1:
+                        LSE[st.q_begin + qi, st.hg * block_h + r % block_h] = T.if_then_else(
+                            st.denom[r] > 0, (T.log2(st.denom[r]) + st.row_max[r]) * LN2, -T.infinity(f32)
+                        )
+                    else:
+                        LSE_partial[l_index(st.split_id, st.q_begin + qi, st.hg * block_h + r % block_h)] = (
+                            T.if_then_else(st.denom[r] > 0, T.log2(st.denom[r]) + st.row_max[r], -T.infinity(f32))
+                        )
+        if num_splits > 1:
+            # Stage 6 (fused combine): publish, count this split; the last split to arrive merges.
+            T.call_extern("handle", "__threadfence")
+            T.barrier_arrive(st.published)
+            if st.tx == 0:
+                T.barrier_wait(st.published, 0)
+                st.last_flag[0] = T.atomic_add(
+                    st.Semaphores[st.seq_id * row_tiles + st.rt], 1, memory_order="acq_rel", return_prev=True
+                )
+                T.barrier_arrive(st.flag_ready)
+            T.barrier_wait(st.flag_ready, 0)
+            if st.last_flag[0] == num_splits - 1:
+                T.call_extern("handle", "__threadfence")
+                for q_pass in T.serial(st.num_passes):
+                    q_base = (q_pass * q_slots + st.q_slot) * q_group
+                    merge_half(O_partial, LSE_partial, Out, LSE, st.acc_o, st.row_max, st.denom, st.rescale,
+                               st.q_begin, q_base, st.q_len, st.hg, 0, num_splits, True)
+                if st.tx == 0:
+                    st.Semaphores[st.seq_id * row_tiles + st.rt] = 0
+
+    # ---- warp group 1: O[:, 256:] with warp group 0's P and rescale ----------------------------------------------
+
+    @T.macro
+    def pv_consumer(st, O_partial, LSE_partial, Out, LSE, num_splits):
+        T.set_max_nreg(cfg.pv_regs, int(cfg.pv_regs >= launch_regs))
+        for q_pass in T.serial(st.num_passes):
+            q_base = (q_pass * q_slots + st.q_slot) * q_group
+            T.fill(st.acc_o_r, 0)
+            for rnd in T.serial(st.rounds):
+                for s in list(range(stages)):
+                    tile = rnd * stages + s
+                    T.barrier_wait(st.kv_ready[s], (q_pass * st.rounds + rnd) & 1)
+                    if tile < st.num_tiles:
+                        T.barrier_wait(st.p_ready, (q_pass * st.num_tiles + tile) & 1)
+                        for r, d in T.Parallel(ROWS, HALF):
+                            st.acc_o_r[r, d] *= st.rescale_shared[r]
+                        # Stage 4': O[:, 256:] += P V[:, 256:].
+                        T.gemm(st.P_shared, st.KV_r[s], st.acc_o_r)
+                        T.barrier_arrive(st.p_free)
+                    T.barrier_arrive(st.kv_free[s])
+            T.barrier_wait(st.stats_ready, q_pass & 1)
+            for r in T.Parallel(ROWS):
+                st.denom_r[r] = st.denom_shared[r]
+            T.barrier_arrive(st.stats_free)
+            write_half(O_partial, Out, st.acc_o_r, st.denom_r, st.q_begin, q_base, st.q_len, st.hg, HALF, st.split_id,
+                       num_splits)
+        if num_splits > 1:
+            T.call_extern("handle", "__threadfence")
+            T.barrier_arrive(st.published)
+            T.barrier_wait(st.flag_ready, 0)
+            if st.last_flag[0] == num_splits - 1:
+                T.call_extern("handle", "__threadfence")
+                for q_pass in T.serial(st.num_passes):
+                    q_base = (q_pass * q_slots + st.q_slot) * q_group
+                    merge_half(O_partial, LSE_partial, Out, LSE, st.acc_o_r, st.row_max_r, st.denom_r, st.weight_r,
+                               st.q_begin, q_base, st.q_len, st.hg, HALF, num_splits, False)
+
+    # ---- warp group 2: the producer ----------------------------------------------------------------------------
+
+    @T.macro
+    def producer(st, KV, Page_table):
+        # bf16 tiles into the ring, one stage ahead per free slot.
+        T.set_max_nreg(cfg.producer_regs, int(cfg.producer_regs >= launch_regs))
+        p = st.tx - 2 * WG
+        for q_pass in T.serial(st.num_passes):
+            for rnd in T.serial(st.rounds):
+                for s in list(range(stages)):
+                    tile = rnd * stages + s
+                    tile_lo = st.split_lo + tile * block_n
+                    T.barrier_wait(st.kv_free[s], ((q_pass * st.rounds + rnd) & 1) ^ 1)
+                    if tile < st.num_tiles:
+                        # 16-byte chunks, consecutive threads on consecutive chunks of a row. Rows past the split
+                        # end repeat its last token: finite data whose scores are masked.
+                        for dst, col0, cols in ((st.KV_l[s], 0, HALF), (st.KV_r[s], HALF, HALF),
+                                                (st.K_rope[s], KV_LORA_RANK, ROPE_DIM)):
+                            per_row = cols // chunk
+                            for k in T.unroll(block_n * per_row // WG):
+                                i = (p + k * WG) // per_row
+                                c = (p + k * WG) % per_row * chunk
+                                row = cache_row(Page_table, st.seq_id, st.kv_begin, T.min(tile_lo + i, st.split_hi - 1))
+                                T.ptx_cp_async(
+                                    T.access_ptr(dst[i, c], "w", chunk),
+                                    T.access_ptr(KV[row, col0 + c], "r", chunk),
+                                    chunk,
+                                )
+                    T.cp_async_barrier_noinc(st.kv_ready[s])
+
+    # ---- the CTA -------------------------------------------------------------------------------------------------
+
     @T.macro
     def body(Q, KV, qo_indptr, kv_indptr, Page_table, sm_scale, num_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
         with T.Kernel(row_tiles, num_splits, indptr_len - 1, threads=cfg.threads) as (rt, split_id, seq_id):
@@ -265,10 +444,10 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
             hg = rt // q_slots
             q_slot = rt % q_slots
             # Split s covers tokens [s * chunk, (s + 1) * chunk), a multiple of block_n.
-            span = T.alloc_var("int32", init=T.ceildiv(T.ceildiv(kv_len, num_splits), block_n) * block_n)
+            span = T.alloc_var("int32", init=steps.split_chunk(kv_len, num_splits, block_n))
             split_lo = T.alloc_var("int32", init=split_id * span)
             split_hi = T.alloc_var("int32", init=T.min(split_lo + span, kv_len))
-            num_tiles = T.alloc_var("int32", init=T.ceildiv(T.max(split_hi - split_lo, 0), block_n))
+            num_tiles = T.alloc_var("int32", init=steps.tile_count(split_lo, split_hi, block_n))
             # Every pass walks ceil(num_tiles / stages) rounds of all stages: the stage of a tile is static and a
             # round's ring parity is (pass * rounds + round) & 1.
             rounds = T.alloc_var("int32", init=T.ceildiv(num_tiles, stages))
@@ -278,172 +457,23 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
             )
 
             tx = T.get_thread_binding()
-
+            st = SimpleNamespace(
+                Q=Q, KV_l=KV_l, KV_r=KV_r, K_rope=K_rope, Q_l=Q_l, Q_r=Q_r, Q_rope=Q_rope, P_shared=P_shared,
+                rescale_shared=rescale_shared, denom_shared=denom_shared, last_flag=last_flag, kv_ready=kv_ready,
+                kv_free=kv_free, p_ready=p_ready, p_free=p_free, stats_ready=stats_ready, stats_free=stats_free,
+                published=published, flag_ready=flag_ready, acc_s=acc_s, acc_o=acc_o_l, row_max=row_max,
+                row_max_prev=row_max_prev, row_max_safe=row_max_safe, rescale=rescale, row_sum=row_sum, denom=denom,
+                acc_o_r=acc_o_r, denom_r=denom_r, row_max_r=row_max_r, weight_r=weight_r, kv_begin=kv_begin,
+                kv_len=kv_len, q_begin=q_begin, q_len=q_len, hg=hg, q_slot=q_slot, split_lo=split_lo,
+                split_hi=split_hi, num_tiles=num_tiles, rounds=rounds, num_passes=num_passes, tx=tx, rt=rt,
+                seq_id=seq_id, split_id=split_id, Semaphores=Semaphores,
+            )
             if tx < WG:
-                # ---- Warp group 0: S = Q K^T, softmax, O[:, :256] ----
-                T.set_max_nreg(cfg.softmax_regs, int(cfg.softmax_regs >= launch_regs))
-                score_scale = T.alloc_var(f32, init=sm_scale * LOG2E)
-                for q_pass in T.serial(num_passes):
-                    q_base = (q_pass * q_slots + q_slot) * q_group
-                    # Stage 1: the pass's rows; row r is head hg * block_h + r % block_h of query q_base + r // block_h
-                    # (0 past the sequence's queries).
-                    for r, d in T.Parallel(ROWS, QK_DIM):
-                        qi = q_base + r // block_h
-                        value = T.if_then_else(
-                            qi < q_len, Q[q_begin + T.min(qi, q_len - 1), hg * block_h + r % block_h, d], T.cast(0, bf16)
-                        )
-                        if d < HALF:
-                            Q_l[r, d] = value
-                        elif d < KV_LORA_RANK:
-                            Q_r[r, d - HALF] = value
-                        else:
-                            Q_rope[r, d - KV_LORA_RANK] = value
-                    T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
-                    T.fill(acc_o_l, 0)
-                    T.fill(denom, 0)
-                    T.fill(row_max, -T.infinity(f32))
-                    for rnd in T.serial(rounds):
-                        for s in list(range(stages)):  # static: the stage picks named buffers
-                            tile = rnd * stages + s
-                            tile_lo = split_lo + tile * block_n
-                            T.barrier_wait(kv_ready[s], (q_pass * rounds + rnd) & 1)
-                            if tile < num_tiles:
-                                # Stage 2: S = Q K^T over 256 + 256 latent + 64 rope dims, kept in flight together.
-                                T.wgmma_gemm(Q_l, KV_l[s], acc_s, transpose_B=True, clear_accum=True)
-                                T.wgmma_gemm(Q_r, KV_r[s], acc_s, transpose_B=True)
-                                T.wgmma_gemm(Q_rope, K_rope[s], acc_s, transpose_B=True)
-                                T.wait_wgmma(0)
-                                # Mask: past the split end; causal, query qi of q_len sees [0, kv_len - q_len + qi].
-                                for r, j in T.Parallel(ROWS, block_n):
-                                    if cfg.causal:
-                                        horizon = T.min(split_hi, kv_len - q_len + q_base + r // block_h + 1)
-                                    else:
-                                        horizon = split_hi
-                                    acc_s[r, j] = T.if_then_else(
-                                        tile_lo + j < horizon, acc_s[r, j] * score_scale, -T.infinity(f32)
-                                    )
-                                # Stage 3: online softmax in base 2; a row with nothing visible yet keeps max -inf
-                                # and the safe max 0 keeps exp2 away from (-inf) - (-inf).
-                                T.copy(row_max, row_max_prev)
-                                T.reduce_max(acc_s, row_max, dim=1, clear=False)
-                                for r in T.Parallel(ROWS):
-                                    row_max_safe[r] = T.if_then_else(row_max[r] == -T.infinity(f32), 0, row_max[r])
-                                    rescale[r] = T.exp2(row_max_prev[r] - row_max_safe[r])
-                                for r, j in T.Parallel(ROWS, block_n):
-                                    acc_s[r, j] = T.exp2(acc_s[r, j] - row_max_safe[r])
-                                T.reduce_sum(acc_s, row_sum, dim=1)
-                                for r in T.Parallel(ROWS):
-                                    denom[r] = denom[r] * rescale[r] + row_sum[r]
-                                for r, d in T.Parallel(ROWS, HALF):
-                                    acc_o_l[r, d] *= rescale[r]
-                                # Hand P and the rescale to warp group 1 (once it has read the previous tile's).
-                                T.barrier_wait(p_free, ((q_pass * num_tiles + tile) & 1) ^ 1)
-                                T.copy(acc_s, P_shared)
-                                for r in T.Parallel(ROWS):
-                                    rescale_shared[r] = rescale[r]
-                                T.fence_proxy_async()
-                                T.barrier_arrive(p_ready)
-                                # Stage 4: O[:, :256] += P V[:, :256].
-                                T.gemm(P_shared, KV_l[s], acc_o_l)
-                                T.barrier_arrive(kv_free[s])
-                            else:
-                                T.barrier_arrive(kv_free[s])
-                    # Stage 5: publish the row sums (once warp group 1 has read the previous pass's), write.
-                    T.barrier_wait(stats_free, (q_pass & 1) ^ 1)
-                    for r in T.Parallel(ROWS):
-                        denom_shared[r] = denom[r]
-                    T.barrier_arrive(stats_ready)
-                    write_half(O_partial, Out, acc_o_l, denom, q_begin, q_base, q_len, hg, 0, split_id, num_splits)
-                    for r in T.Parallel(ROWS):
-                        qi = q_base + r // block_h
-                        if qi < q_len:
-                            if num_splits == 1:
-                                LSE[q_begin + qi, hg * block_h + r % block_h] = T.if_then_else(
-                                    denom[r] > 0, (T.log2(denom[r]) + row_max[r]) * LN2, -T.infinity(f32)
-                                )
-                            else:
-                                LSE_partial[l_index(split_id, q_begin + qi, hg * block_h + r % block_h)] = (
-                                    T.if_then_else(denom[r] > 0, T.log2(denom[r]) + row_max[r], -T.infinity(f32))
-                                )
-                if num_splits > 1:
-                    # Stage 6 (fused combine): publish, count this split; the last split to arrive merges.
-                    T.call_extern("handle", "__threadfence")
-                    T.barrier_arrive(published)
-                    if tx == 0:
-                        T.barrier_wait(published, 0)
-                        last_flag[0] = T.atomic_add(
-                            Semaphores[seq_id * row_tiles + rt], 1, memory_order="acq_rel", return_prev=True
-                        )
-                        T.barrier_arrive(flag_ready)
-                    T.barrier_wait(flag_ready, 0)
-                    if last_flag[0] == num_splits - 1:
-                        T.call_extern("handle", "__threadfence")
-                        for q_pass in T.serial(num_passes):
-                            q_base = (q_pass * q_slots + q_slot) * q_group
-                            merge_half(O_partial, LSE_partial, Out, LSE, acc_o_l, row_max, denom, rescale, q_begin,
-                                       q_base, q_len, hg, 0, num_splits, True)
-                        if tx == 0:
-                            Semaphores[seq_id * row_tiles + rt] = 0
+                softmax_consumer(st, sm_scale, O_partial, LSE_partial, Out, LSE, num_splits)
             elif tx < 2 * WG:
-                # ---- Warp group 1: O[:, 256:] with warp group 0's P and rescale ----
-                T.set_max_nreg(cfg.pv_regs, int(cfg.pv_regs >= launch_regs))
-                for q_pass in T.serial(num_passes):
-                    q_base = (q_pass * q_slots + q_slot) * q_group
-                    T.fill(acc_o_r, 0)
-                    for rnd in T.serial(rounds):
-                        for s in list(range(stages)):
-                            tile = rnd * stages + s
-                            T.barrier_wait(kv_ready[s], (q_pass * rounds + rnd) & 1)
-                            if tile < num_tiles:
-                                T.barrier_wait(p_ready, (q_pass * num_tiles + tile) & 1)
-                                for r, d in T.Parallel(ROWS, HALF):
-                                    acc_o_r[r, d] *= rescale_shared[r]
-                                # Stage 4': O[:, 256:] += P V[:, 256:].
-                                T.gemm(P_shared, KV_r[s], acc_o_r)
-                                T.barrier_arrive(p_free)
-                            T.barrier_arrive(kv_free[s])
-                    T.barrier_wait(stats_ready, q_pass & 1)
-                    for r in T.Parallel(ROWS):
-                        denom_r[r] = denom_shared[r]
-                    T.barrier_arrive(stats_free)
-                    write_half(O_partial, Out, acc_o_r, denom_r, q_begin, q_base, q_len, hg, HALF, split_id,
-                               num_splits)
-                if num_splits > 1:
-                    T.call_extern("handle", "__threadfence")
-                    T.barrier_arrive(published)
-                    T.barrier_wait(flag_ready, 0)
-                    if last_flag[0] == num_splits - 1:
-                        T.call_extern("handle", "__threadfence")
-                        for q_pass in T.serial(num_passes):
-                            q_base = (q_pass * q_slots + q_slot) * q_group
-                            merge_half(O_partial, LSE_partial, Out, LSE, acc_o_r, row_max_r, denom_r, weight_r,
-                                       q_begin, q_base, q_len, hg, HALF, num_splits, False)
+                pv_consumer(st, O_partial, LSE_partial, Out, LSE, num_splits)
             else:
-                # ---- Producer: bf16 tiles into the ring, one stage ahead per free slot ----
-                T.set_max_nreg(cfg.producer_regs, int(cfg.producer_regs >= launch_regs))
-                p = tx - 2 * WG
-                for q_pass in T.serial(num_passes):
-                    for rnd in T.serial(rounds):
-                        for s in list(range(stages)):
-                            tile = rnd * stages + s
-                            tile_lo = split_lo + tile * block_n
-                            T.barrier_wait(kv_free[s], ((q_pass * rounds + rnd) & 1) ^ 1)
-                            if tile < num_tiles:
-                                # 16-byte chunks, consecutive threads on consecutive chunks of a row. Rows past the
-                                # split end repeat its last token: finite data whose scores are masked.
-                                for dst, col0, cols in ((KV_l[s], 0, HALF), (KV_r[s], HALF, HALF),
-                                                        (K_rope[s], KV_LORA_RANK, ROPE_DIM)):
-                                    per_row = cols // chunk
-                                    for k in T.unroll(block_n * per_row // WG):
-                                        i = (p + k * WG) // per_row
-                                        c = (p + k * WG) % per_row * chunk
-                                        row = cache_row(Page_table, seq_id, kv_begin, T.min(tile_lo + i, split_hi - 1))
-                                        T.ptx_cp_async(
-                                            T.access_ptr(dst[i, c], "w", chunk),
-                                            T.access_ptr(KV[row, col0 + c], "r", chunk),
-                                            chunk,
-                                        )
-                            T.cp_async_barrier_noinc(kv_ready[s])
+                producer(st, KV, Page_table)
 
     if cfg.page_size:
 

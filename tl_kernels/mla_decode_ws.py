@@ -29,25 +29,14 @@ Only what changes the generated code is static (``WSDecodeKernelConfig``); batch
 number of splits are dynamic (the split count is a kernel argument), so a new shape never recompiles.
 """
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import tilelang.language as T
 
-from tl_kernels import dequant
-from tl_kernels.mla_decode import (
-    AMAX_FLOOR,
-    FP8_MAX,
-    KV_FORMATS,
-    KV_LORA_RANK,
-    LOG2E,
-    MXFP4_BLOCK,
-    Q_FORMATS,
-    QK_DIM,
-    ROPE_DIM,
-)
-
-LN2 = 0.6931471805599453  # ln(2): base-2 LSE -> natural log
+from tl_kernels import dequant, steps
+from tl_kernels.steps import KV_FORMATS, KV_LORA_RANK, LN2, LOG2E, MXFP4_BLOCK, Q_FORMATS, QK_DIM, ROPE_DIM
 WARP_GROUP = 128  # threads of one warp group (setmaxnreg and wgmma work per warp group)
 CONSUMER_THREADS = WARP_GROUP
 # Registers per lane that the roles' setmaxnreg budgets may sum to: the SM has 64 Ki (512 per lane of a warp-group
@@ -171,7 +160,6 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     kv_cols = cfg.raw_cols
     kv_dtype = {"bf16": "bfloat16", "fp8": cfg.fp8_dtype, "mxfp4": "uint8"}[cfg.kv_format]
     q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
-    fp8_max = FP8_MAX[cfg.fp8_dtype]
     bf16, f32 = "bfloat16", "float32"
     decodes = cfg.kv_format != "bf16"
     mxfp4 = cfg.kv_format == "mxfp4"
@@ -212,13 +200,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         return (((split * total_q + qi) * head_groups + hg) * KV_LORA_RANK + d) * block_m + r
 
     def q_value(k, q_scale, qi, h, d):
-        """Q[query qi, head h, dim d] as bf16 (0 past the sequence's queries); a8w8 rounds it to fp8 exactly as
-        torch's per-tensor quantizer does: bf16(q / scale), clamped, to e4m3."""
-        value = k.Q[k.q_begin + T.min(qi, k.q_len - 1), h, d]
-        if cfg.q_format == "fp8":
-            scaled = T.cast(T.cast(T.cast(value, f32) / q_scale, bf16), f32)
-            value = T.cast(T.clamp(scaled, -fp8_max, fp8_max), cfg.fp8_dtype)
-        return T.if_then_else(qi < k.q_len, T.cast(value, bf16), T.cast(0, bf16))
+        """Q[query qi, head h, dim d] as bf16 (``steps.q_value``: 0 past the sequence's queries; a8w8 rounds it to
+        fp8 values exactly as torch's per-tensor quantizer does)."""
+        return steps.q_value(k.Q, k.q_begin, k.q_len, qi, h, d, q_scale, q_format=cfg.q_format,
+                             fp8_dtype=cfg.fp8_dtype)
+
+    softmax_ctx = SimpleNamespace(block_m=block_m, block_n=block_n, token_axis=0, kv_major_loops=True,
+                                  out_dims=KV_LORA_RANK,
+                                  tr=functools.partial(steps.accumulator_index, True))
 
     def ring_parity(k, q_pass, rnd):
         """Parity of a stage's barriers in round ``rnd`` of pass ``q_pass``: every pass walks ``rounds`` rounds of
@@ -339,20 +328,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
         for j, r in T.Parallel(block_n, block_m):
             k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, k.acc_s[j, r] * score_scale, -T.infinity(f32))
-        # Online softmax in base 2; a row with nothing visible yet keeps max -inf and the safe max 0 keeps exp2
-        # away from (-inf) - (-inf).
-        T.copy(k.row_max, k.row_max_prev)
-        T.reduce_max(k.acc_s, k.row_max, dim=0, clear=False)
-        for r in T.Parallel(block_m):
-            k.row_max_safe[r] = T.if_then_else(k.row_max[r] == -T.infinity(f32), 0, k.row_max[r])
-            k.rescale[r] = T.exp2(k.row_max_prev[r] - k.row_max_safe[r])
-        for j, r in T.Parallel(block_n, block_m):
-            k.acc_s[j, r] = T.exp2(k.acc_s[j, r] - k.row_max_safe[r])
-        T.reduce_sum(k.acc_s, k.row_sum, dim=0)
-        for r in T.Parallel(block_m):
-            k.denom[r] = k.denom[r] * k.rescale[r] + k.row_sum[r]
-        for d, r in T.Parallel(KV_LORA_RANK, block_m):
-            k.acc_o[d, r] *= k.rescale[r]
+        # Online softmax in base 2 (S^T and O^T: the KV tile is the wgmma M dimension).
+        steps.online_softmax_step(softmax_ctx, k)
         for r, j in T.Parallel(block_m, block_n):
             k.P_shared[r, j] = T.cast(k.acc_s[j, r], bf16)
         # O^T += V^T P^T.
@@ -424,12 +401,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     @T.macro
     def consume_tiles(k):
         T.set_max_nreg(cfg.consumer_regs, 1)
-        q_scale = T.alloc_var(
-            f32,
-            init=T.cast(T.cast(T.max(k.Q_scale[0], AMAX_FLOOR) / fp8_max, bf16), f32)
-            if cfg.q_format == "fp8"
-            else k.Q_scale[0],
-        )
+        q_scale = T.alloc_var(f32, init=steps.q_scale_of(cfg.q_format, cfg.fp8_dtype, k.Q_scale[0]))
         # One multiply per score: sm_scale, log2(e), the fp8 per-tensor scales of Q and K, the decode's factor.
         score_scale = T.alloc_var(f32, init=k.sm_scale * LOG2E * q_scale * k.KV_scale[0] * decode_factor)
         out_scale = T.alloc_var(f32, init=k.KV_scale[0] * decode_factor)
@@ -469,10 +441,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.kv_begin = scalar("int32", kv_indptr[seq_id])
         k.kv_len = scalar("int32", kv_indptr[seq_id + 1] - kv_indptr[seq_id])
         # Split s covers tokens [s * chunk, (s + 1) * chunk), chunk a multiple of block_n.
-        k.chunk = scalar("int32", T.ceildiv(T.ceildiv(k.kv_len, num_splits), block_n) * block_n)
+        k.chunk = scalar("int32", steps.split_chunk(k.kv_len, num_splits, block_n))
         k.split_lo = scalar("int32", split_id * k.chunk)
         k.split_hi = scalar("int32", T.min(k.split_lo + k.chunk, k.kv_len))
-        k.num_tiles = scalar("int32", T.ceildiv(T.max(k.split_hi - k.split_lo, 0), block_n))
+        k.num_tiles = scalar("int32", steps.tile_count(k.split_lo, k.split_hi, block_n))
         k.rounds = scalar("int32", T.ceildiv(k.num_tiles, stages))
         k.tx = T.get_thread_binding()
         if decodes:
