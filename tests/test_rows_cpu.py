@@ -191,3 +191,38 @@ def test_rows_check_reports_a_hung_item_and_goes_on():
     assert [r["status"] for r in results] == ["ok", "HUNG", "ok"]
     assert [r["item"] for r in results] == ["sleep:0.1", "sleep:60", "sleep:0.1"]
     assert time.time() - start < 90
+
+
+# setmaxnreg budgets (issue 30): the roles' budgets must fit the registers the warp groups are launched with, or the
+# .inc waits forever. (family, config fields, accepted?)
+BUDGETS = [
+    ("rows", dict(), True),  # 240 + 160 + 96 = 496 <= 504
+    ("rows", dict(softmax_regs=248), True),  # 504: the most a 384-thread launch (168 per thread) allows
+    ("rows", dict(softmax_regs=256), False),  # 512: the r256 variant that hung every timed item
+    ("rows", dict(pv_regs=172), False),  # not a multiple of 8
+    ("ws", dict(kv_format="fp8"), True),  # 240 + 2 x 128 = 496
+    ("ws", dict(kv_format="bf16"), True),  # 240 + 96 of a 256-thread launch (256 per thread)
+    ("ws", dict(kv_format="mxfp4", consumer_regs=264), False),  # over setmaxnreg's 256
+]
+
+
+@pytest.mark.parametrize("family,fields,accepted", BUDGETS,
+                         ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in d.items()) or 'default'}" for f, d, _ in BUDGETS])
+def test_register_budgets_the_launch_cannot_grant_are_refused(family, fields, accepted):
+    from tl_kernels.mla_decode_ws import WSDecodeKernelConfig
+
+    make = (lambda: RowsDecodeKernelConfig(**fields)) if family == "rows" else (lambda: WSDecodeKernelConfig(**fields))
+    if accepted:
+        make()
+    else:
+        with pytest.raises(ValueError, match="regs"):
+            make()
+
+
+def test_rows_check_times_only_budgets_the_launch_can_grant():
+    """Every timed variant of tools/rows_check.py is a config the kernel family accepts (the r256 one was not)."""
+    from mla.target import spec_for_name
+    from tools import rows_check
+
+    for heads, q_len, batch, kv_len in rows_check.TIMED:
+        assert rows_check.timed_configs(spec_for_name("sm_90a"), heads, q_len, batch, kv_len)

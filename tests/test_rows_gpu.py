@@ -107,3 +107,64 @@ def test_plan_runs_captured_in_a_cuda_graph():
         ref_out, ref_lse = reference_for("bf16", data, causal=causal)
         check_against_reference(out, ref_out, "bf16", qo_indptr, kv_indptr, lse=lse, ref_lse=ref_lse,
                                 context=f"CUDA graph replay {replay + 1}")
+
+
+# Issue 30: the timed sizes of tools/rows_check.py, each call in a child process with a time limit, so that a hang
+# (a setmaxnreg budget the launch cannot grant, a barrier protocol that deadlocks at many tiles) fails this test
+# instead of stalling the suite. The limit covers the child's imports and kernel loads (seconds from a warm cache; a
+# cold compile of the two kernels ~1 min on the GPU host) and two calls of about a millisecond each.
+WATCHDOG_S = 300
+_LARGE_CALL = r"""
+import json, sys
+import torch
+from mla import schedule
+from mla.decode import plan
+from mla.inputs import make_harness_inputs
+from mla.reference import harness_reference
+from mla.target import spec_for_device
+
+heads, q_len, batch, kv_len = (int(x) for x in sys.argv[1:5])
+cfg = schedule.select_kernels(spec_for_device(torch.device("cuda")), kv_format="bf16", q_format="bf16",
+                              num_heads=heads, causal=False, page_size=0, batch=batch, total_q=batch * q_len,
+                              total_kv=batch * kv_len, rows=True)[0]
+data = make_harness_inputs(batch, kv_len, q_len=q_len, num_heads=heads, seed=23)
+q, kv_data, qo_indptr, kv_indptr, _ = data
+step = plan(qo_indptr, kv_indptr, num_heads=heads, kv_format="bf16", config_overrides={"rows": True})
+ref_out, _ = harness_reference(data, "bf16")
+worst_rel, worst_abs, finite = 0.0, 0.0, True
+for _ in range(2):  # twice: the fused merge must leave its semaphores at zero
+    out = torch.full((q.shape[0], heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    step.run(q, kv_data["bf16"], out=out)
+    torch.cuda.synchronize()
+    o = out.float()
+    finite = finite and bool(torch.isfinite(o).all())
+    worst_rel = max(worst_rel, ((o.nan_to_num(0) - ref_out).norm() / ref_out.norm()).item())
+    worst_abs = max(worst_abs, ((o.nan_to_num(0) - ref_out).abs().max() / ref_out.abs().max()).item())
+print("RESULT " + json.dumps(dict(kernel=cfg.name, splits=step.num_splits, finite=finite,
+                                  rel_l2=worst_rel, max_abs_fraction=worst_abs)))
+"""
+
+
+@pytest.mark.parametrize("heads,q_len", [(128, 4), (64, 1)], ids=["h128-q4", "h64-q1"])
+def test_large_batch_finishes_under_a_watchdog(heads, q_len):
+    """The default 64-row kernel at 32 x 8192 (the size whose timing never finished in issue 17's runs) completes
+    within WATCHDOG_S in a child process, twice, and matches the fp32 reference."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import MAX_ABS_FRACTION, REL_L2
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _LARGE_CALL, str(heads), str(q_len), "32", "8192"], cwd=repo,
+                              capture_output=True, text=True, timeout=WATCHDOG_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{heads} heads x q_len {q_len} at 32 x 8192: no result within {WATCHDOG_S} s (hung; killed)")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"child exited with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(lines[-1][7:])
+    assert result["finite"], result
+    assert result["rel_l2"] <= REL_L2["bf16"], result
+    assert result["max_abs_fraction"] <= MAX_ABS_FRACTION, result

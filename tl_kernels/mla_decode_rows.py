@@ -57,7 +57,7 @@ class RowsDecodeKernelConfig:
     causal: bool = False
     page_size: int = 0  # 0: flat cache; else tokens per page (Page_table argument)
     fp8_dtype: str = "float8_e4m3fn"  # unused until fp8 caches are served; kept for the family's naming
-    softmax_regs: int = 240  # setmaxnreg per role: 128 x (240 + 160 + 96) <= 64K registers
+    softmax_regs: int = 240  # setmaxnreg per role: 240 + 160 + 96 <= 3 x 168, the launch count (384 threads)
     pv_regs: int = 160
     producer_regs: int = 96
 
@@ -72,8 +72,10 @@ class RowsDecodeKernelConfig:
             raise ValueError(f"block_h={self.block_h} must be 16, 32 or 64 and divide num_heads={self.num_heads}")
         if self.q_slots < 1 or self.block_n != 64 or self.num_stages < 1:
             raise ValueError("q_slots >= 1, block_n == 64 and num_stages >= 1")
-        if (self.softmax_regs + self.pv_regs + self.producer_regs) * WG > 65536:
-            raise ValueError("the three roles' registers exceed the SM's 64K")
+        steps.check_register_budgets(
+            "RowsDecodeKernelConfig",
+            dict(softmax_regs=self.softmax_regs, pv_regs=self.pv_regs, producer_regs=self.producer_regs), self.threads,
+        )
 
     @property
     def q_group(self) -> int:
@@ -144,7 +146,7 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
     # Registers per thread at launch (ptxas's cap for this block size, a multiple of 8). setmaxnreg.inc may only
     # raise a warp group's count and .dec only lower it: a budget below the launch count is a .dec (an .inc to a
     # smaller count is an illegal instruction on the H200).
-    launch_regs = 65536 // cfg.threads // 8 * 8
+    launch_regs = steps.launch_registers(cfg.threads)
 
     total_q = T.dynamic("total_q")
     cache_rows = T.dynamic("cache_rows")

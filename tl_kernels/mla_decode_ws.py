@@ -81,6 +81,9 @@ class WSDecodeKernelConfig:
             raise ValueError("the warp-specialised kernel is built for 16 query rows x 64-token tiles")
         if self.kv_format != "bf16" and self.num_stages != 2:
             raise ValueError("the decoders keep two tiles in registers: fp8 / mxfp4 need num_stages == 2")
+        producers = {f"producer_regs (group {g})": self.producer_regs for g in range(self.producer_groups)}
+        steps.check_register_budgets("WSDecodeKernelConfig", {"consumer_regs": self.consumer_regs, **producers},
+                                     self.threads)
 
     @property
     def block_m(self) -> int:

@@ -34,6 +34,34 @@ def kv_storage(kv_format: str, fp8_dtype: str) -> tuple[int, str]:
     return QK_DIM // 2, "uint8"  # two e2m1 codes per byte
 
 
+# ---- warp-specialised roles: their register budgets ---------------------------------------------------------------
+
+WARP_GROUP = 128  # threads of one warp group (setmaxnreg and wgmma work per warp group)
+
+
+def launch_registers(threads: int) -> int:
+    """Registers per thread a CTA of ``threads`` is launched with when one CTA fills the SM (ptxas's cap for the
+    block size, a multiple of 8): 168 for 384 threads."""
+    return 65536 // threads // 8 * 8
+
+
+def check_register_budgets(name: str, budgets: dict, threads: int) -> None:
+    """Raises ValueError unless the roles' ``setmaxnreg`` budgets ({field: registers per thread}, one warp group
+    each) can all be granted: each a multiple of 8 in [24, 256], and their sum at most the warp groups' launch
+    registers (3 x 168 = 504 for 384 threads). A ``setmaxnreg.inc`` the SM's pool can never grant spins forever
+    (``USETMAXREG.TRY_ALLOC`` in a loop) and the other roles then wait on their barriers: the 64-row kernel's
+    r256 timing variant (256 + 160 + 96 = 512) hung every run (issue 30)."""
+    for field, regs in budgets.items():
+        if regs % 8 or not 24 <= regs <= 256:
+            raise ValueError(f"{name}: {field}={regs}: setmaxnreg takes a multiple of 8 in [24, 256]")
+    pool = threads // WARP_GROUP * launch_registers(threads)
+    if sum(budgets.values()) > pool:
+        fields = " + ".join(f"{f}={r}" for f, r in budgets.items())
+        raise ValueError(f"{name}: {fields} = {sum(budgets.values())} registers per thread exceed the {pool} the "
+                         f"{threads // WARP_GROUP} warp groups are launched with ({threads} threads at "
+                         f"{launch_registers(threads)}): setmaxnreg.inc would wait forever")
+
+
 # ---- Q: the per-tensor scale and the a8w8 rounding ----------------------------------------------------------------
 
 
