@@ -3,10 +3,17 @@ with FlashMLA's argument names, shapes and return values (dense decode), so a se
 switches by changing its import. Beyond FlashMLA, through keyword-only extras: an fp8 cache read with bf16 Q, a8w8
 with per-tensor descales, an mxfp4 cache with its block scales, page sizes 1, 16, 32, 64 and 128, and gfx942.
 
-Switching (H200)::
+Switching (Hopper; the inputs as in the README's example)::
 
+    import torch
     # from flash_mla import get_mla_metadata, flash_mla_with_kvcache
     from mla.flash_mla import get_mla_metadata, flash_mla_with_kvcache
+
+    num_layers, batch, s_q, h_q, page = 2, 4, 1, 16, 64
+    cache_seqlens = torch.tensor([100, 0, 3000, 64], dtype=torch.int32, device="cuda")
+    block_table = torch.randperm(batch * 47, device="cuda").int().view(batch, 47)  # 47 = 3000 // 64 + 1
+    q = torch.randn(num_layers, batch, s_q, h_q, 576, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(num_layers, batch * 47, page, 1, 576, dtype=torch.bfloat16, device="cuda")
 
     metadata, num_splits = get_mla_metadata()                        # once per step (FlashMLA's current pattern)
     for layer in range(num_layers):

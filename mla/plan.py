@@ -2,12 +2,20 @@
 count from the exact KV lengths, block table, compiled kernels, split workspace); ``DecodePlan.run`` is the op's
 cheapest call: a signature lookup and the launches.
 
-Example (H200)::
+Example (Hopper; every name defined, as in the README's plan example)::
 
+    import torch
+    from mla import formats
     from mla.plan import plan
-    step = plan([0, 1, 2, 4], [0, 100, 100, 3100], num_heads=16, kv_format="fp8", causal=True)
+
+    num_layers = 2
+    qo_indptr, kv_indptr = [0, 1, 2, 4], [0, 100, 100, 3100]  # 1, 1, 2 queries over 100, 0, 3000 cached tokens
+    q = torch.randn(num_layers, 4, 16, 576, dtype=torch.bfloat16, device="cuda")
+    kv, kv_scale = zip(*(formats.quantize_kv(torch.randn(3100, 1, 576, dtype=torch.bfloat16, device="cuda"), "fp8")
+                         for _ in range(num_layers)))  # per layer: fp8 cache (3100, 1, 576), scale (1,)
+    step = plan(qo_indptr, kv_indptr, num_heads=16, kv_format="fp8", causal=True)
     for layer in range(num_layers):
-        out = step.run(q[layer], kv[layer], kv_scale=kv_scale[layer])
+        out = step.run(q[layer], kv[layer], kv_scale=kv_scale[layer])  # (4, 16, 512) bf16
 """
 
 from __future__ import annotations

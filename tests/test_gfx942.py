@@ -497,7 +497,7 @@ def _host_decoder_cached():
 
 def test_fp8_decode_exhaustive():
     """Every e4m3fnuz code: the kernel's decode is exact (NaN stays NaN), element order kept."""
-    lib = _host_decoder()
+    lib = _host_decoder_cached()
     ref = np.array([_fnuz_value(c) for c in range(256)])
     for lo in range(0, 256, 16):
         codes = np.arange(lo, lo + 16, dtype=np.uint8)
@@ -509,7 +509,7 @@ def test_fp8_decode_exhaustive():
 def test_e2m1_decode_exhaustive(e):
     """Every byte (two e2m1 codes) at the e8m0 corners and across the range: exactly code * 2^(e - 127) as bf16
     (mla_decode.mxfp4_element's value; overflow to inf), NaN for e = 255, in dequant_hip.E2M1_ORDER."""
-    lib = _host_decoder()
+    lib = _host_decoder_cached()
     mags = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
     code_value = np.concatenate([mags, -mags])
     for lo in range(0, 256, 8):
@@ -526,7 +526,7 @@ def test_e2m1_decode_exhaustive(e):
 
 
 def test_pack_rounds_to_nearest():
-    lib = _host_decoder()
+    lib = _host_decoder_cached()
     for a in (0.0, 1.0, 0.1, 0.333, 1 / 3, 0.99999, 2.0**-130, float("nan")):
         out = np.zeros(2, np.uint16)
         lib.pack(out.ctypes.data, a, -a)
