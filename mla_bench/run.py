@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mla import jit, target
+from mla import prebuild, target
 from mla_bench import peers as peer_lib
 from mla_bench.cases import Case, at_point, grid_points, selected_kernels, uniform_case
 from mla_bench.host import bench_host, print_host_summary
@@ -24,23 +24,24 @@ from mla_bench.timing import FLUSH_BYTES, measure_read_ceiling
 DEVICE = "cuda"
 
 
+def kernel_configs(args, cases: list[Case], spec) -> list:
+    """Every kernel variant this command line would launch on ``spec`` (each case, mode and grid point), once."""
+    return list(dict.fromkeys(
+        cfg for heads, q_len in grid_points(args) for case in cases for mode in args.modes
+        for cfg in selected_kernels(spec, mode, case, at_point(args, heads, q_len))[:2] if cfg is not None
+    ))
+
+
 def compile_only(args, cases: list[Case]) -> int:
-    """No GPU: build, for sm_90a, every kernel variant this command line would run; 0 when all compiled."""
+    """No GPU: build, for sm_90a, every kernel variant this command line would run, in parallel over the machine's
+    cores (``mla.prebuild.build``); 0 when all compiled."""
     print("no CUDA device: timing skipped. Compiling the kernel variants this run would use, for sm_90a, on the CPU.")
     spec = target.spec_for_name("sm_90a")
     cases = list(dict.fromkeys(cases + [uniform_case(*shape) for shape in args.host_shape]))  # + the host table's
     print_split_table(spec, cases, args)
-    configs = list(dict.fromkeys(
-        cfg for heads, q_len in grid_points(args) for case in cases for mode in args.modes
-        for cfg in selected_kernels(spec, mode, case, at_point(args, heads, q_len))[:2] if cfg is not None
-    ))
-    failures = 0
-    for i, cfg in enumerate(configs, 1):  # jit logs one line per build ("... ready in N s")
-        try:
-            jit.get_kernel(cfg, spec)
-        except Exception as exc:  # noqa: BLE001 - report every variant, then fail at the end
-            failures += 1
-            print(f"[{i}/{len(configs)}] {cfg.name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+    configs = kernel_configs(args, cases, spec)
+    results = prebuild.build(configs, spec, progress=True, label="bench.py")  # logs each failure
+    failures = sum(1 for r in results if r.error)
     print(f"{len(configs) - failures} of {len(configs)} kernel variants compiled for {spec.name}")
     return 1 if failures else 0
 

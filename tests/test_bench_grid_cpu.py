@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 import bench
-import mla.jit
+import mla.prebuild
 from mla.target import spec_for_name
 from mla_bench import measure, timing
 from mla_bench.cases import (Case, at_point, build_cases, bytes_moved, flops_of, grid_points, mode_overrides,
@@ -76,7 +76,12 @@ def test_grid_table_one_line_per_point_and_shape():
 def test_compile_only_covers_every_grid_point(monkeypatch):
     """Without a GPU, a grid run compiles what each point would launch; with --rows the 64-row kernels."""
     built = []
-    monkeypatch.setattr(mla.jit, "get_kernel", lambda cfg, spec: built.append(cfg))
+
+    def build(configs, spec, **_):
+        built.extend(configs)
+        return [mla.prebuild.BuildResult(cfg.name, 0.0, None) for cfg in configs]
+
+    monkeypatch.setattr(mla.prebuild, "build", build)
     args = bench.parse_args(["--grid", "128x4,64x1,16x1", "--rows", "--modes", "bf16", "--shapes", "32x8192",
                              "--host-shape", "none"])
     assert compile_only(args, build_cases(args)) == 0
