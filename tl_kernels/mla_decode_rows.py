@@ -226,6 +226,20 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
                 else:
                     O_partial[o_index(split_id, q_begin + qi, hg * block_h + r % block_h, col0 + d)] = value
 
+    @T.macro
+    def merge_if_last(st, O_partial, LSE_partial, Out, LSE, num_splits, acc, row_max, denom, weight, col0, first_half):
+        # Stage 6 (fused combine), in each consumer: the CTA of the split that arrived last merges every split's
+        # partial of its 256 columns; warp group 0 (``first_half``) also writes the LSE and resets the semaphore.
+        if st.last_flag[0] == num_splits - 1:
+            T.call_extern("handle", "__threadfence")
+            for q_pass in T.serial(st.num_passes):
+                q_base = (q_pass * q_slots + st.q_slot) * q_group
+                merge_half(O_partial, LSE_partial, Out, LSE, acc, row_max, denom, weight, st.q_begin, q_base, st.q_len,
+                           st.hg, col0, num_splits, first_half)
+            if first_half:
+                if st.tx == 0:
+                    st.Semaphores[st.seq_id * row_tiles + st.rt] = 0
+
     # ---- warp group 0: S = Q K^T, the online softmax, O[:, :256] ----------------------------------------------
 
     @T.macro
@@ -322,14 +336,8 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
                 )
                 T.barrier_arrive(st.flag_ready)
             T.barrier_wait(st.flag_ready, 0)
-            if st.last_flag[0] == num_splits - 1:
-                T.call_extern("handle", "__threadfence")
-                for q_pass in T.serial(st.num_passes):
-                    q_base = (q_pass * q_slots + st.q_slot) * q_group
-                    merge_half(O_partial, LSE_partial, Out, LSE, st.acc_o, st.row_max, st.denom, st.rescale,
-                               st.q_begin, q_base, st.q_len, st.hg, 0, num_splits, True)
-                if st.tx == 0:
-                    st.Semaphores[st.seq_id * row_tiles + st.rt] = 0
+            merge_if_last(st, O_partial, LSE_partial, Out, LSE, num_splits, st.acc_o, st.row_max, st.denom, st.rescale,
+                          0, True)
 
     # ---- warp group 1: O[:, 256:] with warp group 0's P and rescale ----------------------------------------------
 
@@ -361,12 +369,8 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
             T.call_extern("handle", "__threadfence")
             T.barrier_arrive(st.published)
             T.barrier_wait(st.flag_ready, 0)
-            if st.last_flag[0] == num_splits - 1:
-                T.call_extern("handle", "__threadfence")
-                for q_pass in T.serial(st.num_passes):
-                    q_base = (q_pass * q_slots + st.q_slot) * q_group
-                    merge_half(O_partial, LSE_partial, Out, LSE, st.acc_o_r, st.row_max_r, st.denom_r, st.weight_r,
-                               st.q_begin, q_base, st.q_len, st.hg, HALF, num_splits, False)
+            merge_if_last(st, O_partial, LSE_partial, Out, LSE, num_splits, st.acc_o_r, st.row_max_r, st.denom_r,
+                          st.weight_r, HALF, False)
 
     # ---- warp group 2: the producer ----------------------------------------------------------------------------
 

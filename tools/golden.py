@@ -17,6 +17,7 @@ whole grid takes ~10 minutes on two cores.
     python tools/golden.py --update        # record the current hashes
     python tools/golden.py --dump /tmp/src # also write each source to /tmp/src/<target>/<name>.cu|.hip
     python tools/golden.py --only default  # the default problem class only (quick)
+    python tools/golden.py --match rows    # the variants whose name contains "rows" (one family, quick)
 """
 
 from __future__ import annotations
@@ -172,9 +173,10 @@ def _job(args):
     return target, variant_name(variant), source_hash(source), None, time.perf_counter() - start
 
 
-def compute_hashes(targets=TARGETS, *, only="all", jobs=None, dump=None, log=print) -> tuple[dict, dict]:
-    """({"target/name": sha256}, {"target/name": error}) over ``golden_variants``, lowered in ``jobs`` processes."""
-    work = [(t, v, dump) for t in targets for v in golden_variants(t, only)]
+def compute_hashes(targets=TARGETS, *, only="all", match="", jobs=None, dump=None, log=print) -> tuple[dict, dict]:
+    """({"target/name": sha256}, {"target/name": error}) over ``golden_variants`` (those whose name contains
+    ``match``), lowered in ``jobs`` processes."""
+    work = [(t, v, dump) for t in targets for v in golden_variants(t, only) if match in variant_name(v)]
     # The slow (fused) variants first, so the pool's tail is short.
     work.sort(key=lambda job: not getattr(job[1], "fused_combine", False) or isinstance(job[1], tuple))
     hashes, errors = {}, {}
@@ -201,6 +203,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dump", metavar="DIR", help="write every generated source under DIR/<target>/")
     parser.add_argument("--only", choices=("all", "default"), default="all",
                         help="'default': the default problem class only (quick); --update needs 'all'")
+    parser.add_argument("--match", default="", help="only the variants whose name contains this (a quick check of the "
+                        "family being changed; the whole grid before committing)")
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {TARGETS}")
     parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: the machine's cores)")
     args = parser.parse_args(argv)
@@ -208,10 +212,10 @@ def main(argv=None) -> int:
     bad = [t for t in targets if t not in TARGETS]
     if bad:
         parser.error(f"--targets: unknown {bad}; expected a subset of {TARGETS}")
-    if args.update and (args.only != "all" or set(targets) != set(TARGETS)):
-        parser.error("--update records the whole grid: use it without --only / --targets")
+    if args.update and (args.only != "all" or args.match or set(targets) != set(TARGETS)):
+        parser.error("--update records the whole grid: use it without --only / --match / --targets")
     start = time.perf_counter()
-    hashes, errors = compute_hashes(targets, only=args.only, jobs=args.jobs, dump=args.dump)
+    hashes, errors = compute_hashes(targets, only=args.only, match=args.match, jobs=args.jobs, dump=args.dump)
     print(f"{len(hashes)} variants lowered in {time.perf_counter() - start:.0f} s, {len(errors)} failed")
     if errors:
         for key, error in sorted(errors.items()):
@@ -231,7 +235,8 @@ def main(argv=None) -> int:
     golden = load_golden()
     changed = sorted(k for k in hashes if k in golden and golden[k] != hashes[k])
     new = sorted(k for k in hashes if k not in golden)
-    missing = sorted(k for k in golden if k.split("/")[0] in targets and k not in hashes) if args.only == "all" else []
+    whole = args.only == "all" and not args.match
+    missing = sorted(k for k in golden if k.split("/")[0] in targets and k not in hashes) if whole else []
     for label, keys in (("CHANGED", changed), ("NEW (not recorded)", new), ("GONE (recorded, not built)", missing)):
         for key in keys:
             print(f"{label}: {key}")
