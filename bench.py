@@ -11,6 +11,8 @@ Usage, from the repo root (``python bench.py`` finds the ``mla`` package next to
     python bench.py --grid 128x4,128x1,64x1,16x4,16x8 --modes bf16,fp8 --shapes 32x8192,256x8192
                                                      # one run over (heads x q_len) points: issue 17's whole table
     python bench.py --plan                           # time DecodePlan.run (planned once, untimed, like FlashInfer)
+    python bench.py --graph --json graph.json        # CUDA-graph replays of mla.flash_mla vs eager planned calls
+                                                     # (default shapes 4x8192,32x8192,64x1024,128x4096, bf16)
     python bench.py --splits 1 --no-peers --reps 100 # force one KV split (no combine kernel)
     python bench.py --json results.json --plot gbps.png
     python bench.py --shapes none --ragged           # only the ragged batches (and the host-cost table)
@@ -75,7 +77,8 @@ from mla.decode import SUPPORTED_HEADS  # noqa: E402
 from mla_bench.cases import (MODES, build_cases, parse_grid, parse_modes, parse_shapes,  # noqa: E402
                              positive_int)
 from mla_bench.host import HOST_CALLS, HOST_SHAPE  # noqa: E402
-from mla_bench.run import compile_only, run_benchmark  # noqa: E402
+from mla_bench.graph import GRAPH_SHAPES  # noqa: E402
+from mla_bench.run import compile_only, run_benchmark, run_graph_table  # noqa: E402
 from mla_bench.timing import DEFAULT_REPS, WARMUP_CALLS  # noqa: E402
 
 log = logging.getLogger("mla")
@@ -87,8 +90,8 @@ def parse_args(argv=None):
         epilog="\n\n".join(__doc__.split("\n\n")[1:5]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--modes", type=parse_modes, default=list(MODES),
-                        help=f"comma-separated subset of {','.join(MODES)} (default: all)")
+    parser.add_argument("--modes", type=parse_modes, default=None,
+                        help=f"comma-separated subset of {','.join(MODES)} (default: all; with --graph, bf16)")
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="comma-separated BATCHxKV_LEN, e.g. 4x1024,256x8192; 'none' for no uniform shape "
                              "(default: the 8 harness shapes, batch 4/32/64/256 x kv 1024/8192)")
@@ -108,6 +111,10 @@ def parse_args(argv=None):
     parser.add_argument("--plan", action="store_true",
                         help="time DecodePlan.run (mla.decode.plan made once per shape, untimed, as FlashInfer's "
                              "plan is) instead of the one-shot mla_decode call")
+    parser.add_argument("--graph", action="store_true",
+                        help="only the CUDA-graph table (mla_bench/graph.py): SGLang's and vLLM's replay patterns of "
+                             "mla.flash_mla against an eager call planned for the same lengths and FlashMLA's own "
+                             f"replay; default shapes {GRAPH_SHAPES}, default mode bf16")
     parser.add_argument("--splits", type=positive_int, default=None,
                         help="force num_splits (default: the op's own choice, schedule.choose_num_splits)")
     parser.add_argument("--host-shape", type=parse_shapes, default=parse_shapes(HOST_SHAPE),
@@ -128,6 +135,12 @@ def parse_args(argv=None):
     parser.add_argument("--check", action="store_true",
                         help="before timing, compare each implementation once per shape with the fp32 reference")
     args = parser.parse_args(argv)
+    if args.modes is None:
+        args.modes = ["bf16"] if args.graph else list(MODES)
+    if args.graph:  # the graph table's own defaults
+        if args.shapes is None:
+            args.shapes = parse_shapes(GRAPH_SHAPES)
+        args.host_shape = []
     if len(args.host_shape) > 1:
         parser.error("--host-shape takes one BATCHxKV_LEN")
     return args
@@ -147,6 +160,8 @@ def main(argv=None) -> int:
         return 2
     if not torch.cuda.is_available():
         return compile_only(args, cases)
+    if args.graph:
+        return run_graph_table(args, cases)
     return run_benchmark(args, cases)
 
 

@@ -18,6 +18,7 @@ from tl_kernels.mla_combine import CombineKernelConfig, mla_combine_kernel
 from tl_kernels.mla_decode import DecodeKernelConfig, mla_decode_kernel
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig, mla_decode_ws_kernel
 from tl_kernels.mla_decode_rows import RowsDecodeKernelConfig, mla_decode_rows_kernel
+from tl_kernels.mla_schedule import SplitScheduleConfig, mla_split_schedule_kernel
 
 log = logging.getLogger("mla")
 
@@ -39,6 +40,8 @@ def prim_func(cfg: DecodeKernelConfig | WSDecodeKernelConfig | CombineKernelConf
         return mla_decode_rows_kernel(cfg)
     if isinstance(cfg, CombineKernelConfig):
         return mla_combine_kernel(cfg)
+    if isinstance(cfg, SplitScheduleConfig):
+        return mla_split_schedule_kernel(cfg)
     raise TypeError(f"not a kernel config: {type(cfg).__name__}")
 
 

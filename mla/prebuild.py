@@ -44,6 +44,7 @@ from mla.target import TargetSpec, spec_for_name
 from mla.validate import SUPPORTED_HEADS, SUPPORTED_PAGE_SIZES
 from tl_kernels.mla_combine import CombineKernelConfig
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig
+from tl_kernels.mla_schedule import SplitScheduleConfig
 
 TARGETS = ("sm_90a", "gfx942")
 PAGE_SIZES = (0, *SUPPORTED_PAGE_SIZES)  # 0: a flat cache
@@ -70,7 +71,9 @@ def class_variants(spec: TargetSpec, *, mode: str, num_heads: int, q_tile: int =
     ``q_format`` overrides its Q precision, e.g. "fp8_codes"): ``schedule.decode_variants``, the warp-specialised
     kernel where ``schedule.uses_ws`` and the cache format is in ``ws_formats`` (the op's default picks it for
     ``schedule.WS_FORMATS``; tests that force it pass every format), and with ``flash_mla`` the FlashMLA-shaped form
-    of each (``schedule.flash_io_variant``; None for most)."""
+    of each (``schedule.flash_io_variant``; None for most) and its graph form (``schedule.graph_config``, the
+    combine's flash form and the split schedule: what ``mla.flash_mla`` launches under CUDA-graph capture and for
+    metadata made from lengths; CUDA only)."""
     kv_format, mode_q_format = MODES[mode]
     q_format = q_format or mode_q_format
     configs = []
@@ -82,6 +85,10 @@ def class_variants(spec: TargetSpec, *, mode: str, num_heads: int, q_tile: int =
     configs += variants
     if flash_mla:
         configs += [c for c in map(schedule.flash_io_variant, variants) if c is not None]
+        graph = schedule.graph_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
+                                      q_tile=q_tile, causal=causal, page_size=page_size)
+        if graph is not None:
+            configs += [graph, schedule.graph_combine_config(spec, num_heads=num_heads), SplitScheduleConfig()]
     return configs
 
 

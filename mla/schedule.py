@@ -4,6 +4,8 @@ no host-device sync), so they are cheap, CUDA-graph safe and testable on the CPU
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 
 from mla import constants
@@ -401,3 +403,108 @@ def rows_num_splits(spec: TargetSpec, cfg: RowsDecodeKernelConfig, *, batch: int
         head_groups=cfg.row_tiles, combine_overhead=WS_COMBINE_OVERHEAD_TILES,
         combine_per_split=WS_COMBINE_TILES_PER_SPLIT,
     )
+
+
+# ---- CUDA graphs: each sequence's split count chosen on the device (mla.flash_mla) ------------------------------
+# A captured graph keeps its grid and its kernels, while the lengths change every step. So the graph form of
+# ``mla.flash_mla`` launches the 16/32/64-row split kernel in FlashMLA's shapes over a grid of ``graph_max_splits``
+# splits per sequence (the most the cost model picks for the batch at any length), and the split count each
+# sequence uses comes from ``Num_splits``: written on the device by tl_kernels.mla_schedule from the lengths of the
+# step (FlashMLA's ``get_mla_metadata`` does the same), the same cost model as ``choose_num_splits``, so a replay
+# splits as a call planned for its lengths would. Splits past a sequence's count exit at once.
+GRAPH_MAX_TILES = 8192  # mean KV tiles per sequence up to which graph_max_splits looks (the choice is flat beyond)
+# At most this many waves of CTAs in the graph form's grid: at long lengths the model finds many split counts within
+# ~1% of each other (each that fills whole waves), and picks among them by rounding (128 sequences: 2, 4, ..., 33);
+# the CTAs past a sequence's count still cost a launch slot each, so the grid stops at two waves.
+GRAPH_MAX_WAVES = 2
+
+
+def graph_config(spec: TargetSpec, *, kv_format: str, q_format: str = "bf16", num_heads: int = 16, q_tile: int = 1,
+                 causal: bool = False, page_size: int = 64) -> DecodeKernelConfig | None:
+    """The decode config of the graph form for a problem class: the split config ``decode_config`` picks, in
+    FlashMLA's shapes, reading each sequence's split count (``split_counts``); its merge is the combine kernel's
+    flash form (``graph_combine_config``). None on gfx942, whose dim_split program has no such form (mla.flash_mla
+    then runs the package's kernels on views, their split count fixed when captured)."""
+    if spec.is_hip or not page_size:
+        return None
+    cfg = decode_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile,
+                        causal=causal, split=True, page_size=page_size)
+    return dataclasses.replace(cfg, flash_io=True, split_counts=True)
+
+
+def graph_combine_config(spec: TargetSpec, *, num_heads: int = 16) -> CombineKernelConfig:
+    return dataclasses.replace(combine_config(spec, num_heads=num_heads), flash_io=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitModel:
+    """The cost model's inputs for one batch size and decode config: what tl_kernels.mla_schedule takes after the
+    lengths (overheads in tenths of a tile, as integers)."""
+
+    block_n: int
+    head_groups: int
+    slots: int
+    max_splits: int
+    cta_overhead: int = round(10 * CTA_OVERHEAD_TILES)
+    combine_overhead: int = round(10 * COMBINE_OVERHEAD_TILES)
+    combine_per_split: int = round(10 * COMBINE_TILES_PER_SPLIT)
+
+    def args(self) -> tuple:
+        return (self.block_n, self.head_groups, self.slots, self.max_splits, self.cta_overhead,
+                self.combine_overhead, self.combine_per_split)
+
+
+def split_model(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int) -> SplitModel:
+    """The split model of the graph form for ``batch`` sequences and the decode config ``cfg``."""
+    head_groups = cfg.num_heads // cfg.block_h
+    slots = spec.num_sms * ctas_per_sm(spec, cfg)
+    return SplitModel(cfg.block_n, head_groups, slots, graph_max_splits(batch, head_groups, slots))
+
+
+def _model_costs(batch: int, head_groups: int, slots: int, tiles, model: SplitModel | None = None):
+    """Costs (tenths of a tile) of split counts 1..MAX_SPLITS at each mean tile count in ``tiles`` (a 1-D int64
+    tensor): (len(tiles), MAX_SPLITS), with candidates past min(MAX_SPLITS, tiles) at int64 max."""
+    import torch
+
+    m = model or SplitModel(0, head_groups, slots, MAX_SPLITS)
+    splits = torch.arange(1, MAX_SPLITS + 1, dtype=torch.int64)
+    waves = (batch * head_groups * splits + slots - 1) // slots
+    per_cta = 10 * ((tiles[:, None] + splits - 1) // splits) + m.cta_overhead
+    merge = torch.where(splits > 1, m.combine_overhead + m.combine_per_split * splits, 0)
+    cost = waves * per_cta + merge
+    allowed = (splits <= tiles[:, None]) & (splits <= m.max_splits)
+    return torch.where(allowed, cost, torch.iinfo(torch.int64).max)
+
+
+@functools.lru_cache(maxsize=1024)
+def graph_max_splits(batch: int, head_groups: int, slots: int) -> int:
+    """The graph form's grid (splits per sequence): the most splits the cost model picks for ``batch`` sequences at
+    any mean length (up to GRAPH_MAX_TILES tiles), at most GRAPH_MAX_WAVES waves of CTAs. The device model chooses
+    among the counts up to it."""
+    import torch
+
+    if batch <= 0:
+        return 1
+    waves_cap = max(1, -(-GRAPH_MAX_WAVES * slots // (batch * head_groups)))
+    tiles = torch.arange(1, GRAPH_MAX_TILES + 1, dtype=torch.int64)
+    capped = SplitModel(0, head_groups, slots, min(MAX_SPLITS, waves_cap))
+    best = _model_costs(batch, head_groups, slots, tiles, capped).argmin(dim=1) + 1  # argmin: the first minimum
+    return int(best.max())
+
+
+def device_split_counts(lengths: list[int], model: SplitModel) -> list[int]:
+    """What tl_kernels.mla_schedule writes for ``lengths`` (FlashMLA's ``num_splits``: 0, then the running sum of
+    each sequence's split count), computed on the host: for CPU tensors, and to test the device against."""
+    import torch
+
+    batch = len(lengths)
+    lengths = [max(int(n), 0) for n in lengths]
+    tiles = -(-sum(lengths) // (batch * model.block_n)) if batch else 0
+    best = 1
+    if tiles > 0:
+        costs = _model_costs(batch, model.head_groups, model.slots, torch.tensor([tiles]), model)[0]
+        if int(costs.min()) != torch.iinfo(torch.int64).max:
+            best = int(costs.argmin()) + 1
+    chunk = max(-(-tiles // best), 1)
+    counts = [min(max(-(-(-(-n // model.block_n)) // chunk), 1), model.max_splits) for n in lengths]
+    return [0, *itertools.accumulate(counts)]

@@ -13,6 +13,7 @@ import torch
 from mla import prebuild, target
 from mla_bench import peers as peer_lib
 from mla_bench.cases import Case, at_point, grid_points, selected_kernels, uniform_case
+from mla_bench.graph import GRAPH_TARGET, bench_graph, print_graph_header
 from mla_bench.host import bench_host, print_host_summary
 from mla_bench.jsonio import write_json
 from mla_bench.measure import Bench, bench_case
@@ -25,11 +26,37 @@ DEVICE = "cuda"
 
 
 def kernel_configs(args, cases: list[Case], spec) -> list:
-    """Every kernel variant this command line would launch on ``spec`` (each case, mode and grid point), once."""
+    """Every kernel variant this command line would launch on ``spec`` (each case, mode and grid point), once; with
+    ``--graph`` those of the graph table (``mla.prebuild.class_variants`` of mla.flash_mla's class)."""
+    if getattr(args, "graph", False):
+        return prebuild.unique(cfg for mode in args.modes for cfg in prebuild.class_variants(
+            spec, mode=mode, num_heads=args.heads, page_size=64, flash_mla=True))
     return list(dict.fromkeys(
         cfg for heads, q_len in grid_points(args) for case in cases for mode in args.modes
         for cfg in selected_kernels(spec, mode, case, at_point(args, heads, q_len))[:2] if cfg is not None
     ))
+
+
+def run_graph_table(args, cases: list[Case]) -> int:
+    """``--graph``: the CUDA-graph table (mla_bench.graph) over the uniform shapes and the modes; JSON if asked."""
+    device_name = torch.cuda.get_device_name()
+    spec = target.spec_for_device(torch.device(DEVICE))
+    print_header(args, spec, device_name)
+    ceiling = measure_read_ceiling(DEVICE)
+    print_ceiling(ceiling)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
+    peers = [] if args.no_peers else peer_lib.setup_peers(DEVICE)
+    print_peers(peers, args)
+    bench = Bench(args=args, spec=spec, device=DEVICE, flush=flush, ceiling_gbps=ceiling["gbps"], peers=peers)
+    print_graph_header(bench)
+    rows = [bench_graph(bench, case.batch, case.kv_lens[0], mode) for case in cases if case.uniform
+            for mode in args.modes]
+    if args.json:
+        write_json(args.json, rows, ceiling, args, device_name)
+    failed = [r for r in rows if "error" in r or not r.get("meets_target", False)]
+    print(f"graph table: {len(rows) - len(failed)} of {len(rows)} rows within {GRAPH_TARGET}x of the faster of the "
+          f"eager planned call and FlashMLA's replay")
+    return 1 if any("error" in r for r in rows) else 0
 
 
 def compile_only(args, cases: list[Case]) -> int:

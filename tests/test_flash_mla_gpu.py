@@ -28,7 +28,7 @@ import tempfile
 import pytest
 import torch
 
-from mla import formats
+from mla import formats, schedule
 from mla.flash_mla import MLAMetadata, _DirectRun, flash_mla_with_kvcache, get_mla_metadata
 from mla.inputs import make_ragged_inputs, to_paged
 from mla.target import spec_for_device
@@ -195,15 +195,18 @@ def test_one_metadata_reused_across_layers():
 
 @launches(lambda **_: [("bf16", 16, 1, False, FLASHMLA_PAGE, FLASH)])
 def test_old_tensor_pattern():
-    """get_mla_metadata(cache_seqlens, s_q * h_q, 1) -> (metadata, num_splits tensor), both passed back."""
+    """get_mla_metadata(cache_seqlens, s_q * h_q, 1) -> (metadata, num_splits tensor), both passed back: the split
+    schedule computed on the device, no host synchronisation, the graph form (tests/test_graph_gpu.py)."""
     data, paged, table, kv_lens = case_inputs("bf16", 16, 1, FLASHMLA_PAGE, seed=5)
     seqlens = data[3].diff().to(torch.int32)
-    meta, num_splits = get_mla_metadata(seqlens, 1 * 16, 1)
+    with sync_forbidden():  # the old pattern reads no length on the host (engines call it every step)
+        meta, num_splits = get_mla_metadata(seqlens, 1 * 16, 1)
     assert isinstance(meta, MLAMetadata) and num_splits.shape == (len(kv_lens) + 1,)
     out, lse = flash_call("bf16", data, paged, table, meta, num_splits, causal=False)
-    check("bf16", data, out, lse, causal=False, context=f"old pattern, {meta.plan}")
-    expected = torch.arange(len(kv_lens) + 1, dtype=torch.int32) * meta.plan.num_splits
-    assert torch.equal(num_splits.cpu(), expected), (num_splits, meta.plan)
+    check("bf16", data, out, lse, causal=False, context=f"old pattern, {meta}")
+    spec = spec_for_device(torch.device("cuda"))
+    model = schedule.split_model(spec, schedule.graph_config(spec, kv_format="bf16"), batch=len(kv_lens))
+    assert num_splits.tolist() == schedule.device_split_counts(kv_lens, model), num_splits
 
 
 @launches(lambda mode, **_: [(mode, 16, 2, True, FLASHMLA_PAGE, FLASH)])

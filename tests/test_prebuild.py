@@ -13,6 +13,8 @@ import tempfile
 
 import pytest
 
+from tl_kernels.mla_schedule import SplitScheduleConfig
+
 from mla import prebuild, schedule
 from mla.constants import MODES
 from mla.target import spec_for_name
@@ -41,8 +43,10 @@ def listed(capsys, *argv):
 
 
 def test_fp8_page64_heads16_is_what_the_issue_names():
-    """The issue's example class: the split, direct and fused-merge decode kernels, the combine kernel and
-    mla.flash_mla's FlashMLA-shaped one-launch kernel; no warp-specialised kernel (fp8 is not in WS_FORMATS)."""
+    """The issue's example class: the split, direct and fused-merge decode kernels, the combine kernel,
+    mla.flash_mla's FlashMLA-shaped one-launch kernel and its graph form (split kernel reading each sequence's
+    split count, the combine's flash form, the split schedule); no warp-specialised kernel (fp8 is not in
+    WS_FORMATS)."""
     got = names(prebuild.call_variants(H200, modes=["fp8"], page_sizes=[64], heads=[16]))
     assert got == [
         "mla_decode_split_kvfp8_qbf16_h16_bh16_qt1_bn64_st1_t128_g1_page64_fn",
@@ -50,6 +54,9 @@ def test_fp8_page64_heads16_is_what_the_issue_names():
         "mla_combine_h16_t128",
         "mla_decode_split_kvfp8_qbf16_h16_bh16_qt1_bn64_st1_t128_g1_page64_fused_fn",
         "mla_decode_split_kvfp8_qbf16_h16_bh16_qt1_bn64_st1_t128_g1_page64_fused_flash_fn",
+        "mla_decode_split_kvfp8_qbf16_h16_bh16_qt1_bn64_st1_t128_g1_page64_flash_counts_fn",
+        "mla_combine_h16_t128_flash",
+        "mla_split_schedule_t256_c64",
     ]
     assert "fp8" not in schedule.WS_FORMATS
 
@@ -96,6 +103,11 @@ def selected(spec, mode, heads, page, q_len, causal, *, flash=False):
             picked.add(combine.name)
         if flash and schedule.flash_io_variant(decode) is not None:
             picked.add(schedule.flash_io_variant(decode).name)
+    graph = schedule.graph_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
+                                  q_tile=schedule.query_tile(q_len, 1), causal=causal, page_size=page)
+    if flash and graph is not None:  # the graph form (CUDA-graph capture, metadata made from lengths)
+        picked |= {graph.name, schedule.graph_combine_config(spec, num_heads=heads).name,
+                   SplitScheduleConfig().name}
     return picked
 
 
@@ -164,7 +176,8 @@ def test_gfx942_has_no_cuda_only_forms():
 def test_list_prints_names_only(capsys):
     lines = listed(capsys, "--modes", "fp8", "--page-size", "64", "--heads", "16,128")
     assert lines == names(prebuild.call_variants(H200, modes=["fp8"], page_sizes=[64], heads=[16, 128]))
-    assert len(lines) == 10
+    assert len(lines) == 15  # per head count: split, direct, combine, fused, its flash form; graph form (3, the
+    # schedule once)
 
 
 def test_list_defaults_and_only(capsys):

@@ -20,10 +20,13 @@ class CombineKernelConfig:
 
     num_heads: int = 16
     threads: int = 128
+    flash_io: bool = False  # FlashMLA's shapes and the split count of each sequence read from Num_splits (the
+    # partner of the decode kernel's ``split_counts`` form): flat partials, Out (batch, s_q, H, 512), LSE (batch, H,
+    # s_q) with +inf where nothing is seen; a sequence of one split is skipped (its decode CTA wrote it)
 
     @property
     def name(self) -> str:
-        return f"mla_combine_h{self.num_heads}_t{self.threads}"
+        return f"mla_combine_h{self.num_heads}_t{self.threads}{'_flash' if self.flash_io else ''}"
 
 
 def mla_combine_kernel(cfg: CombineKernelConfig):
@@ -34,7 +37,12 @@ def mla_combine_kernel(cfg: CombineKernelConfig):
       LSE_partial  (num_splits, total_q, num_heads) fp32, base 2, -inf for an empty split
       Out          (total_q, num_heads, 512) bf16
       LSE          (total_q, num_heads) fp32, natural log; -inf where no KV token was visible (Out is 0 there)
+    flash_io: O_partial (o_len,), LSE_partial (l_len,) flat (split, batch * s_q, num_heads[, 512]), Num_splits
+      (batch + 1,) int32 cumulative split counts, max_splits int32 (the partials' split dimension), Out (batch, s_q,
+      num_heads, 512) bf16, LSE (batch, num_heads, s_q) fp32 with +inf where nothing was visible.
     """
+    if cfg.flash_io:
+        return _flash_combine(cfg)
     heads = cfg.num_heads
     accum_dtype = "float32"
     total_q = T.dynamic("total_q")
@@ -70,3 +78,47 @@ def mla_combine_kernel(cfg: CombineKernelConfig):
             LSE[q, h] = T.if_then_else(weight_sum > 0, (T.log2(weight_sum) + lse_max) * LN2, -T.infinity(accum_dtype))
 
     return mla_combine
+
+
+def _flash_combine(cfg: CombineKernelConfig):
+    """The combine in FlashMLA's shapes over a per-sequence split count (see ``mla_combine_kernel``)."""
+    heads, f32 = cfg.num_heads, "float32"
+    batch, s_q = T.dynamic("batch, s_q")
+    o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
+    total_q = batch * s_q
+
+    @T.prim_func
+    def mla_combine_flash(
+        O_partial: T.Tensor([o_len], f32),
+        LSE_partial: T.Tensor([l_len], f32),
+        Num_splits: T.Tensor([batch + 1], "int32"),
+        max_splits: T.int32,
+        Out: T.Tensor([batch, s_q, heads, KV_LORA_RANK], "bfloat16"),
+        LSE: T.Tensor([batch, heads, s_q], f32),
+    ):
+        with T.Kernel(total_q, heads, threads=cfg.threads) as (q, h):
+            acc = T.alloc_fragment([KV_LORA_RANK], f32)
+            lse_max = T.alloc_var(f32, init=-T.infinity(f32))
+            weight_sum = T.alloc_var(f32, init=0)
+            weight = T.alloc_var(f32, init=0)
+            seq = q // s_q
+            splits = T.alloc_var("int32", init=T.max(T.min(Num_splits[seq + 1] - Num_splits[seq], max_splits), 1))
+            # One split: the decode kernel wrote this row's output and LSE itself.
+            if splits > 1:
+                # Pass 1: the largest split LSE; pass 2: the weighted sum of the splits that saw a token.
+                for s in T.serial(splits):
+                    lse_max = T.max(lse_max, LSE_partial[(s * total_q + q) * heads + h])
+                T.clear(acc)
+                for s in T.serial(splits):
+                    if LSE_partial[(s * total_q + q) * heads + h] > -T.infinity(f32):
+                        weight = T.exp2(LSE_partial[(s * total_q + q) * heads + h] - lse_max)
+                        weight_sum = weight_sum + weight
+                        for d in T.Parallel(KV_LORA_RANK):
+                            acc[d] += weight * O_partial[((s * total_q + q) * heads + h) * KV_LORA_RANK + d]
+                for d in T.Parallel(KV_LORA_RANK):
+                    Out[seq, q % s_q, h, d] = T.cast(T.if_then_else(weight_sum > 0, acc[d] / weight_sum, 0),
+                                                     "bfloat16")
+                LSE[seq, h, q % s_q] = T.if_then_else(weight_sum > 0, (T.log2(weight_sum) + lse_max) * LN2,
+                                                      T.infinity(f32))
+
+    return mla_combine_flash

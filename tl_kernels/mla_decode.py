@@ -91,6 +91,11 @@ class DecodeKernelConfig:
     flash_io: bool = False  # paged + fused: FlashMLA's argument shapes (``mla.flash_mla``), so its call makes no
     # view: Q (batch, s_q, H, 576), the cache (num_blocks, page_size, 1, row), cache_seqlens (batch,) instead of
     # the CSR offsets, Out (batch, s_q, H, 512) and LSE (batch, H, s_q), +inf where a query sees no token
+    split_counts: bool = False  # flash_io without the fused merge, for CUDA graphs: each sequence's split count
+    # is read on the device from Num_splits (FlashMLA's cumulative (batch + 1,) layout, written by
+    # tl_kernels.mla_schedule from the lengths of the step); the grid's split dimension is only its cap. A split
+    # past its sequence's count exits at once; a sequence of one split writes its output itself; the combine
+    # kernel's flash form merges the others.
 
     def __post_init__(self):
         if self.kv_format not in KV_FORMATS:
@@ -105,8 +110,10 @@ class DecodeKernelConfig:
             raise ValueError("fused_combine needs split=True and the block-level program (not dim_split)")
         if self.fp8_mfma and not (self.dim_split and self.kv_format == "fp8" and self.q_format != "bf16"):
             raise ValueError("fp8_mfma needs dim_split, an fp8 cache and fp8 Q (a8w8)")
-        if self.flash_io and not (self.fused_combine and self.page_size):
-            raise ValueError("flash_io needs fused_combine and a paged cache (page_size > 0)")
+        if self.flash_io and not ((self.fused_combine or self.split_counts) and self.page_size):
+            raise ValueError("flash_io needs fused_combine or split_counts, and a paged cache (page_size > 0)")
+        if self.split_counts and not (self.flash_io and self.split and not self.fused_combine):
+            raise ValueError("split_counts needs flash_io and split=True without fused_combine")
 
     @property
     def block_m(self) -> int:
@@ -152,7 +159,8 @@ class DecodeKernelConfig:
             f"{'' if self.stage_compressed or self.kv_format == 'bf16' else '_nostage'}"
             f"{f'_page{self.page_size}' if self.page_size else ''}{'_kvm' if self.kv_rows_as_m else ''}"
             f"{'_rows' + self.row_table_scope.replace('.', '') if self.row_table_scope != 'shared' and self.page_size else ''}"
-            f"{'_ds' if self.dim_split else ''}{'_f8mma' if self.fp8_mfma else ''}{'_fused' if self.fused_combine else ''}{'_flash' if self.flash_io else ''}_{fp8}"
+            f"{'_ds' if self.dim_split else ''}{'_f8mma' if self.fp8_mfma else ''}{'_fused' if self.fused_combine else ''}{'_flash' if self.flash_io else ''}"
+            f"{'_counts' if self.split_counts else ''}_{fp8}"
         )
 
 
@@ -184,6 +192,9 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
       flash_io (FlashMLA's shapes, total_q = batch * s_q): Q (batch, s_q, num_heads, 576), KV (num_blocks,
                    page_size, 1, row), cache_seqlens (batch,) int32 in place of qo_indptr and kv_indptr, Out (batch,
                    s_q, num_heads, 512), LSE (batch, num_heads, s_q) with +inf where a query sees nothing
+      split_counts (flash_io, not fused): max_splits int32 (the grid's split dimension), Num_splits (batch + 1,)
+                   int32 (cumulative split counts), the flat partials (>= max_splits * total_q * num_heads * 512 / *
+                   1 elements), Out and LSE
     """
     c = _context(cfg)
     if cfg.dim_split:  # gfx942's wave-level program (tl_kernels/mla_decode_gfx942.py)
@@ -191,6 +202,8 @@ def mla_decode_kernel(cfg: DecodeKernelConfig):
                                         num_splits=c.num_splits))
     else:
         body = _block_body(c)
+    if cfg.split_counts:
+        return _flash_counts_prim_func(c, body)
     if cfg.flash_io:
         return _flash_prim_func(c, body)
     if cfg.page_size:
@@ -204,6 +217,7 @@ def _context(cfg: DecodeKernelConfig) -> SimpleNamespace:
     c = SimpleNamespace(cfg=cfg, heads=cfg.num_heads, block_h=cfg.block_h, block_n=cfg.block_n, block_m=cfg.block_m,
                         q_tile=cfg.q_tile, threads=cfg.threads, head_groups=cfg.num_heads // cfg.block_h,
                         fused=cfg.fused_combine, flash_io=cfg.flash_io,
+                        flat_partials=cfg.fused_combine or cfg.split_counts,
                         staged=cfg.kv_format != "bf16" and cfg.stage_compressed)
     c.kv_cols, c.kv_dtype = _kv_storage(cfg)
     c.q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
@@ -390,7 +404,7 @@ def _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, 
         qi = _row_query(c, q_pass, r)
         if qi < q_len:
             value = steps.normalised(acc_o[c.tr(r, d)], denom[r], out_scale)
-            if c.fused:
+            if c.flat_partials:
                 O_partial[steps.partial_row(c, split_id, q_begin + qi, _row_head(c, hg, r)) * KV_LORA_RANK + d] = value
             else:
                 O_partial[split_id, q_begin + qi, _row_head(c, hg, r), d] = value
@@ -398,7 +412,7 @@ def _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, 
         qi = _row_query(c, q_pass, r)
         if qi < q_len:
             lse2 = steps.lse_base2(denom[r], row_max[r], -T.infinity("float32"))
-            if c.fused:
+            if c.flat_partials:
                 LSE_partial[steps.partial_row(c, split_id, q_begin + qi, _row_head(c, hg, r))] = lse2
             else:
                 LSE_partial[split_id, q_begin + qi, _row_head(c, hg, r)] = lse2
@@ -413,7 +427,7 @@ def _block_body(c):
 
     @T.macro
     def decode_body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
-                    n_splits, O_partial, LSE_partial, Out, LSE):
+                    n_splits, O_partial, LSE_partial, Out, LSE, Num_splits=None):
         with T.Kernel(n_splits, c.num_seqs, c.head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
             Q_shared = T.alloc_shared([block_m, KV_LORA_RANK], bf16)
             Qpe_shared = T.alloc_shared([block_m, ROPE_DIM], bf16)
@@ -456,17 +470,28 @@ def _block_body(c):
                                 rescale=rescale, row_sum=row_sum, denom=denom)
 
             # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
+            if cfg.split_counts:
+                # This sequence's split count, from the device schedule (clamped to the grid). A CTA past it has
+                # no query rows: it loads nothing and writes nothing.
+                seq_splits = T.alloc_var("int32", init=T.max(T.min(Num_splits[seq_id + 1] - Num_splits[seq_id],
+                                                                   n_splits), 1))
             if cfg.flash_io:  # kv_indptr is cache_seqlens; s_q queries per sequence (the paged rows need no offset)
                 kv_begin = T.alloc_var("int32", init=0)
                 kv_len = T.alloc_var("int32", init=kv_indptr[seq_id])
                 q_begin = T.alloc_var("int32", init=seq_id * c.s_q)
-                q_len = T.alloc_var("int32", init=c.s_q)
+                if cfg.split_counts:
+                    q_len = T.alloc_var("int32", init=T.if_then_else(split_id < seq_splits, c.s_q, 0))
+                else:
+                    q_len = T.alloc_var("int32", init=c.s_q)
             else:
                 kv_begin = T.alloc_var("int32", init=kv_indptr[seq_id])
                 kv_len = T.alloc_var("int32", init=kv_indptr[seq_id + 1] - kv_indptr[seq_id])
                 q_begin = T.alloc_var("int32", init=qo_indptr[seq_id])
                 q_len = T.alloc_var("int32", init=qo_indptr[seq_id + 1] - qo_indptr[seq_id])
-            chunk = T.alloc_var("int32", init=steps.split_chunk(kv_len, n_splits, block_n))
+            if cfg.split_counts:
+                chunk = T.alloc_var("int32", init=steps.split_chunk(kv_len, seq_splits, block_n))
+            else:
+                chunk = T.alloc_var("int32", init=steps.split_chunk(kv_len, n_splits, block_n))
             split_lo = T.alloc_var("int32", init=split_id * chunk)
             split_hi = T.alloc_var("int32", init=T.min(split_lo + chunk, kv_len))
             num_tiles = T.alloc_var("int32", init=steps.tile_count(split_lo, split_hi, block_n))
@@ -511,6 +536,12 @@ def _block_body(c):
                 # Stage 6: normalise and write: the output (one split), or this split's partial.
                 if c.fused:
                     if n_splits == 1:
+                        _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
+                    else:
+                        _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len,
+                                       q_pass, hg, split_id)
+                elif cfg.split_counts:  # one split: the output itself; more: the partial the combine merges
+                    if seq_splits == 1:
                         _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
                     else:
                         _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len,
@@ -722,3 +753,40 @@ def _flash_prim_func(c, decode_body):
                     sm_scale, num_splits, O_partial, LSE_partial, Out_rows, LSE)
 
     return mla_decode_flash
+
+
+def _flash_counts_prim_func(c, decode_body):
+    """FlashMLA's argument shapes with the split count of each sequence read from ``Num_splits`` (``split_counts``):
+    the CUDA-graph form of ``mla.flash_mla``, whose grid is fixed when captured and whose lengths change every
+    step. ``max_splits`` is the grid's split dimension; the partials are flat; the combine kernel's flash form
+    merges the sequences of more than one split."""
+    cfg, heads, q_dtype, kv_dtype, kv_cols, accum_dtype = c.cfg, c.heads, c.q_dtype, c.kv_dtype, c.kv_cols, "float32"
+    batch, s_q, scale_len = c.num_seqs, c.s_q, c.scale_len
+    num_blocks, max_pages, table_stride = T.dynamic("num_blocks, max_pages, table_stride")
+    o_len, l_len = T.dynamic("o_len"), T.dynamic("l_len")
+
+    @T.prim_func
+    def mla_decode_flash_counts(
+        Q: T.Tensor([batch, s_q, heads, QK_DIM], q_dtype),
+        KV: T.Tensor([num_blocks, cfg.page_size, 1, kv_cols], kv_dtype),
+        KV_scales: T.Tensor([scale_len], "uint8"),
+        scale_stride: T.int32,
+        Q_scale: T.Tensor([1], accum_dtype),
+        KV_scale: T.Tensor([1], accum_dtype),
+        cache_seqlens: T.Tensor([batch], "int32"),
+        Page_table: T.StridedTensor([batch, max_pages], [table_stride, 1], "int32"),  # a slice of a wider table
+        sm_scale: T.float32,
+        max_splits: T.int32,
+        Num_splits: T.Tensor([batch + 1], "int32"),
+        O_partial: T.Tensor([o_len], accum_dtype),
+        LSE_partial: T.Tensor([l_len], accum_dtype),
+        Out: T.Tensor([batch, s_q, heads, KV_LORA_RANK], "bfloat16"),
+        LSE: T.Tensor([batch, heads, s_q], accum_dtype),
+    ):
+        Q_rows = T.reshape(Q, [batch * s_q, heads, QK_DIM])
+        KV_rows = T.reshape(KV, [num_blocks * cfg.page_size, kv_cols])
+        Out_rows = T.reshape(Out, [batch * s_q, heads, KV_LORA_RANK])
+        decode_body(Q_rows, KV_rows, KV_scales, scale_stride, Q_scale, KV_scale, None, cache_seqlens, Page_table,
+                    sm_scale, max_splits, O_partial, LSE_partial, Out_rows, LSE, Num_splits)
+
+    return mla_decode_flash_counts

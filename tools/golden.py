@@ -27,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import pathlib
 import re
@@ -39,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from mla import schedule  # noqa: E402
 from mla.constants import MODES  # noqa: E402
 from mla.target import spec_for_name  # noqa: E402
+from tl_kernels.mla_schedule import SplitScheduleConfig  # noqa: E402
 
 GOLDEN_FILE = ROOT / "tests" / "golden" / "sources.json"
 TARGETS = ("sm_90a", "gfx942")
@@ -72,6 +74,7 @@ def golden_variants(target: str, only: str = "all") -> list:
         for kv_format, q_format in MODES.values():
             add(schedule.decode_config(spec, kv_format=kv_format, q_format=q_format, page_size=page_size, split=True),
                 schedule.decode_config(spec, kv_format=kv_format, q_format=q_format, page_size=page_size, split=False))
+    add(SplitScheduleConfig())  # mla.flash_mla's split schedule on the device (get_mla_metadata with lengths)
     if spec.is_hip:
         return list(found.values())
     # Hopper only: the fused merge on a paged MTP class, and the FlashMLA-shaped (flash_io) one-launch kernels.
@@ -81,6 +84,10 @@ def golden_variants(target: str, only: str = "all") -> list:
         add(schedule.flash_io_variant(schedule.decode_config(
             spec, kv_format=kv_format, q_format=q_format, num_heads=heads, q_tile=q_tile, causal=q_tile > 1,
             page_size=64, fused_combine=True)))
+        # The graph form (CUDA graphs): the split kernel reading each sequence's split count, the combine's flash form.
+        add(schedule.graph_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads, q_tile=q_tile,
+                                  causal=q_tile > 1, page_size=64),
+            schedule.graph_combine_config(spec, num_heads=heads))
     # The warp-specialised 16-row kernel (every format, a8w8, causal, paged) and its decode-stream kernels.
     for kv_format, q_format in MODES.values():
         add(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format))
@@ -181,7 +188,13 @@ def compute_hashes(targets=TARGETS, *, only="all", match="", jobs=None, dump=Non
     work.sort(key=lambda job: not getattr(job[1], "fused_combine", False) or isinstance(job[1], tuple))
     hashes, errors = {}, {}
     jobs = jobs or os.cpu_count() or 1
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+    # Each variant in a fresh process: TileLang's lowering keeps state between the prim_funcs of one process, and
+    # one variant (the warp-specialised mxfp4 causal paged kernel) lowered after others in the same worker gets
+    # other shared-memory offsets than alone (seen in two full runs). Children fork from a server that has
+    # imported TileLang already, so a fresh process costs ~0.1 s, not the ~3 s of an import.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tilelang", "mla.jit", "mla.schedule"])
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
         for done, (target, name, digest, error, seconds) in enumerate(pool.map(_job, work), 1):
             key = f"{target}/{name}"
             if error:
@@ -200,6 +213,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--update", action="store_true", help="record the current hashes in " + str(GOLDEN_FILE))
+    parser.add_argument("--add-new", action="store_true",
+                        help="record the hashes of variants not recorded yet (with --match: of those it selects), if "
+                             "no recorded one changed: adding a kernel without relowering the whole grid")
     parser.add_argument("--dump", metavar="DIR", help="write every generated source under DIR/<target>/")
     parser.add_argument("--only", choices=("all", "default"), default="all",
                         help="'default': the default problem class only (quick); --update needs 'all'")
@@ -235,6 +251,15 @@ def main(argv=None) -> int:
     golden = load_golden()
     changed = sorted(k for k in hashes if k in golden and golden[k] != hashes[k])
     new = sorted(k for k in hashes if k not in golden)
+    if args.add_new:
+        if changed:
+            print("not recording: recorded variants changed: " + ", ".join(changed))
+            return 1
+        record = json.loads(GOLDEN_FILE.read_text())
+        record["sources"] = dict(sorted({**record["sources"], **{k: hashes[k] for k in new}}.items()))
+        GOLDEN_FILE.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"recorded {len(new)} new hashes in {GOLDEN_FILE.relative_to(ROOT)}: " + ", ".join(new))
+        return 0
     whole = args.only == "all" and not args.match
     missing = sorted(k for k in golden if k.split("/")[0] in targets and k not in hashes) if whole else []
     for label, keys in (("CHANGED", changed), ("NEW (not recorded)", new), ("GONE (recorded, not built)", missing)):
