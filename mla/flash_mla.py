@@ -43,6 +43,7 @@ read on the host, so a captured graph replays at the split counts of each step's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -185,14 +186,22 @@ def _legacy_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_he
         raise TypeError(f"is_fp8_kvcache: expected a bool, got {type(is_fp8_kvcache).__name__}")
     if topk is not None:
         raise ValueError("topk: sparse attention is not supported (dense decode only); pass topk=None")
-    heads, s_q = _heads_and_queries(num_q_tokens_per_head_k, num_heads_q)
     batch = cache_seqlens.shape[0]
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
     spec = spec_for_device(cache_seqlens.device)
-    cfg = _model_config(spec, kv_format="fp8" if is_fp8_kvcache else "bf16", q_format="bf16", heads=heads, s_q=s_q,
-                        causal=s_q > 1, page=64)
-    _schedule(spec, cache_seqlens, num_splits, schedule.split_model(spec, cfg, batch=batch))
+    model = _legacy_model(spec, batch, num_q_tokens_per_head_k, num_heads_q, is_fp8_kvcache)
+    _schedule(spec, cache_seqlens, num_splits, model)
     return MLAMetadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_q, num_splits), num_splits
+
+
+@functools.lru_cache(maxsize=4096)
+def _legacy_model(spec, batch: int, num_q_tokens: int, num_heads_q: int | None, is_fp8: bool):
+    """The split model ``get_mla_metadata(cache_seqlens, ...)`` schedules with (cached: engines call it every
+    step, with few distinct batch sizes)."""
+    heads, s_q = _heads_and_queries(num_q_tokens, num_heads_q)
+    cfg = _model_config(spec, kv_format="fp8" if is_fp8 else "bf16", q_format="bf16", heads=heads, s_q=s_q,
+                        causal=s_q > 1, page=64)
+    return schedule.split_model(spec, cfg, batch=batch)
 
 
 def _heads_and_queries(num_q_tokens: int, num_heads_q: int | None) -> tuple[int, int]:
@@ -676,11 +685,25 @@ class _GraphRun:
             kv_scale = descale_k.reshape(1) if self.reshape_kv_scale else descale_k
         if self.kv_as_uint8:
             k_cache = k_cache.view(torch.uint8)
+        if block_table.stride(0) != block_table.shape[1]:  # a slice of a wider buffer (one row included)
+            block_table = _whole_rows(block_table)
         self.decode(q, k_cache, block_scales, self.scale_stride, q_scale, kv_scale, cache_seqlens, block_table,
                     sm_scale, self.max_splits, num_splits, o_partial, lse_partial, out, lse)
         if self.combine is not None:
             self.combine(o_partial, lse_partial, num_splits, self.max_splits, out, lse)
         return out, lse
+
+
+def _whole_rows(block_table: torch.Tensor) -> torch.Tensor:
+    """A block table that is a slice of a wider buffer, as a compact (batch, row stride) view of that buffer (its
+    rows read whole, so entries past the slice's width are there for the sequences that need them): the launcher
+    would otherwise pass a compact copy of the slice, which ends at its width. Where the buffer ends within the last
+    row, the slice as it is."""
+    batch, stride = block_table.shape[0], block_table.stride(0)
+    end = block_table.storage_offset() + batch * stride
+    if block_table.stride(1) != 1 or end * block_table.element_size() > block_table.untyped_storage().nbytes():
+        return block_table
+    return block_table.as_strided((batch, stride), (stride, 1))
 
 
 def _aligned(numel: int) -> int:

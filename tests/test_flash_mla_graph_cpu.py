@@ -152,7 +152,9 @@ def test_one_metadata_serves_graphs_of_several_batch_sizes(no_kernels):
         calls = launched(no_kernels)
         (decode_cfg, d), *combine = calls
         model = schedule.split_model(SM90, decode_cfg, batch=bs)
-        assert decode_cfg.split_counts and d[7] is table and d[9] == model.max_splits and d[10] is num_splits
+        # The table's rows go whole (a (bs, 40) view of the buffer): entries past the slice are read where needed.
+        assert decode_cfg.split_counts and d[9] == model.max_splits and d[10] is num_splits
+        assert d[7].shape == (bs, width) and d[7].data_ptr() == buffer.data_ptr() and d[7].is_contiguous()
         if model.max_splits > 1:
             ((combine_cfg, c),) = combine
             assert combine_cfg.flash_io and c[2] is num_splits and c[3] == model.max_splits
@@ -192,15 +194,22 @@ def test_new_pattern_eager_keeps_the_host_plan(no_kernels):
 
 
 def test_strided_block_table_takes_the_graph_form(no_kernels):
-    """A block table that is a slice of a wider buffer goes to the kernel as it is (any row stride); a table whose
-    entries are not consecutive within a row is refused."""
+    """A block table that is a slice of a wider buffer goes to the kernel as whole rows of that buffer (any row
+    stride: TileLang's launcher would pass a compact copy of the slice, which ends at its width; seen on the H200);
+    a slice whose buffer ends inside its last row goes as it is; a table whose entries are not consecutive within a
+    row is refused."""
     q, cache, table, seqlens, _ = paged_inputs([700, 0, 2900, 64])
     wide = torch.zeros(6, 100, dtype=torch.int32)
     wide[:4, :table.shape[1]] = table
     meta, _ = get_mla_metadata()
     call(q, cache, wide[:4, :table.shape[1]], seqlens, meta, causal=True)
     ((decode_cfg, d),) = [(cfg, args) for cfg, args in launched(no_kernels) if getattr(cfg, "split_counts", False)]
-    assert d[7].stride() == (100, 1) and torch.equal(d[7], table)
+    assert d[7].shape == (4, 100) and d[7].is_contiguous() and torch.equal(d[7][:, :table.shape[1]], table)
+    tail = torch.zeros(4 * 100 - 100 + table.shape[1], dtype=torch.int32)  # the buffer ends inside its last row
+    tail.as_strided(table.shape, (100, 1)).copy_(table)
+    call(q, cache, tail.as_strided(table.shape, (100, 1)), seqlens, get_mla_metadata()[0], causal=True)
+    ((_, d),) = [(cfg, args) for cfg, args in launched(no_kernels) if getattr(cfg, "split_counts", False)]
+    assert d[7].shape == table.shape and d[7].stride() == (100, 1)
     with pytest.raises(ValueError, match="block_table: expected each row's entries consecutive"):
         call(q, cache, wide.t()[:4, :table.shape[1]], seqlens, get_mla_metadata()[0], causal=True)
 

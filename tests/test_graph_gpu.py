@@ -45,7 +45,7 @@ def growing_lengths(seed: int) -> list[list[int]]:
     rows = [row]
     for step in range(1, STEPS):
         target = int(MAX_CONTEXT ** (step / (STEPS - 1)))
-        row = [min(MAX_CONTEXT, max(n, rng.randrange(max(n, target // 2), target + 1))) for n in row]
+        row = [min(MAX_CONTEXT, rng.randrange(max(n, target // 2), max(n, target) + 1)) for n in row]
         if step == STEPS - 1:
             row[rng.randrange(MAX_BS)] = MAX_CONTEXT
         rows.append(row)
@@ -69,7 +69,7 @@ class Engine:
             return self.paged["bf16"], {}
         if kv_format == "fp8":
             codes, scale = self.paged["fp8"]
-            return codes, dict(is_fp8_kvcache=True, descale_k=scale)
+            return codes, dict(descale_k=scale)  # is_fp8_kvcache passed by the calls
         codes, scales = self.paged["mxfp4"]
         return codes, dict(kv_block_scale=scales)
 
