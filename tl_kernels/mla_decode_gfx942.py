@@ -33,6 +33,7 @@ from tl_kernels.steps import (
 DS_WAVES, DS_LANES, DS_DIMS = 8, 64, 64
 DS_SCORES = 8  # scores per lane per tile: head m, tokens 8g + 2r + j (r < 4 MFMA rows, j < 2 token halves)
 DIM_SPLIT_SHAPE = (16, 1, 32, DS_WAVES * DS_LANES)  # (block_h, q_tile, block_n, threads)
+DS_PAGE_LOADS_PER_TILE = 2  # paged: page-table dwords each lane loads per tile (look_up_rows; tools/gfx942_report.py)
 
 
 # The lane maps (m = lane % 16, g = lane // 16).
