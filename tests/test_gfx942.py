@@ -42,6 +42,7 @@ from mla.decode import SUPPORTED_PAGE_SIZES
 from mla.target import spec_for_name
 from tl_kernels.mla_combine import CombineKernelConfig
 from tl_kernels import mla_decode as ds
+from tl_kernels import mla_decode_gfx942 as ds942  # the rope-share maps (not re-exported by mla_decode)
 from tl_kernels.mla_decode import FP8_MAX, DecodeKernelConfig
 
 GFX942 = spec_for_name("gfx942")
@@ -272,8 +273,10 @@ def test_kv_read_as_whole_vectors(cfg):
     for name in ("KV", "KV_scales"):
         element_reads = [m.start() for m in re.finditer(rf"(?<![\w&(])\(?{name}\[", src)]
         assert not element_reads, f"{cfg.name}: element reads of {name} at {element_reads[:3]}"
-    loads = re.findall(r"\bmla_ds_copy(16|8)\(\(&", src)  # the calls, not the helpers' definitions
-    assert loads and set(loads) == ({"8"} if cfg.kv_format == "mxfp4" else {"16"}), loads
+    loads = re.findall(r"\bmla_ds_copy(16|8|4|2)\(\(&", src)  # the calls, not the helpers' definitions
+    # latent slice per token, then the rope share (4 elements: ds_rope_dim)
+    want = {"bf16": {"16", "8"}, "fp8": {"16", "4"}, "mxfp4": {"8", "2"}}[cfg.kv_format]
+    assert loads and set(loads) == want, loads
     if cfg.kv_format == "mxfp4":
         assert "mla_ds_load_u32(" in src
 
@@ -322,20 +325,34 @@ def test_dim_split_lane_maps(qk_k):
     steps = 16 // (qk_k // 4)  # MFMA k-steps per 16-dim lane slice
     per = qk_k // 4
     partial = np.zeros((ds.DS_WAVES, 64, 8))
+    seen = np.zeros((32, ds.QK_DIM), int)  # how many lanes load each element of the tile
     for wave in range(ds.DS_WAVES):
-        chunks = [wave * 64] + ([ds.KV_LORA_RANK] if wave == 0 else [])
-        for lo in chunks:
-            for j in range(2):
-                for a in range(steps):
-                    k_op = np.zeros((64, per))
-                    q_op = np.zeros((64, per))
-                    for lane in range(64):
-                        m, g = lane % 16, lane // 16
-                        dims = [ds.ds_dim(lo, g, a * per + e) for e in range(per)]
-                        k_op[lane] = kv[ds.ds_token(m, j), dims]
-                        q_op[lane] = q[m, dims]
-                    acc = partial[wave][:, 4 * j:4 * j + 4]
-                    partial[wave][:, 4 * j:4 * j + 4] = _mfma(k_op, q_op, acc, qk_k)
+        for j in range(2):
+            for a in range(steps):
+                k_op = np.zeros((64, per))
+                q_op = np.zeros((64, per))
+                for lane in range(64):
+                    m, g = lane % 16, lane // 16
+                    dims = [ds.ds_dim(wave * 64, g, a * per + e) for e in range(per)]
+                    k_op[lane] = kv[ds.ds_token(m, j), dims]
+                    q_op[lane] = q[m, dims]
+                    if a == 0:
+                        seen[ds.ds_token(m, j), [ds.ds_dim(wave * 64, g, e) for e in range(16)]] += 1
+                acc = partial[wave][:, 4 * j:4 * j + 4]
+                partial[wave][:, 4 * j:4 * j + 4] = _mfma(k_op, q_op, acc, qk_k)
+            # The wave's rope share: one bf16 k-step per n-tile, Q zero in the n-tile that is not its token's.
+            k_op = np.zeros((64, 4))
+            q_op = np.zeros((64, 4))
+            for lane in range(64):
+                m, g = lane % 16, lane // 16
+                dims = [ds.KV_LORA_RANK + ds942.ds_rope_dim(g, wave, e) for e in range(4)]
+                k_op[lane] = kv[ds942.ds_rope_token(m, wave), dims]
+                q_op[lane] = q[m, dims] if wave // 4 == j else 0
+                if j == 0:
+                    seen[ds942.ds_rope_token(m, wave), dims] += 1
+            acc = partial[wave][:, 4 * j:4 * j + 4]
+            partial[wave][:, 4 * j:4 * j + 4] = _mfma(k_op, q_op, acc, 16)
+    assert (seen == 1).all(), "every element of the tile is loaded by exactly one lane"
     scores = partial.sum(axis=0)  # every wave's s_tot
     ref_s = q @ kv.T
     for lane in range(64):
@@ -413,9 +430,9 @@ def test_decode_is_the_device_function(cfg):
     calls = set(re.findall(r"\b(mla_hip_\w+)\(\(?&", src))
     want = {"mla_hip_pair_tokens", "mla_hip_pack_bf16x2"}
     if cfg.kv_format == "fp8":
-        want.add("mla_hip_fp8x16_to_bf16")
+        want |= {"mla_hip_fp8x16_to_bf16", "mla_hip_fp8x4_to_bf16"}
     if cfg.kv_format == "mxfp4":
-        want.add("mla_hip_e2m1x16_to_bf16")
+        want |= {"mla_hip_e2m1x16_to_bf16", "mla_hip_e2m1x4_to_bf16"}
     assert want <= calls, f"{cfg.name}: decode calls {sorted(calls)}, want {sorted(want)}"
     assert not re.search(r"\(\(bfloat16_t\)kv_raw\[", src), f"{cfg.name}: element-wise conversion of the cache"
     assert "(half_t)" not in src and "__float2half" not in src, f"{cfg.name}: decode through fp16"
@@ -453,6 +470,8 @@ static mla_f2 __builtin_amdgcn_cvt_pk_f32_fp8_host(int w, bool hi) {
     exports = r"""
 extern "C" void fp8(void* d, const void* s) { mla_hip_fp8x16_to_bf16(d, s); }
 extern "C" void e2m1(void* d, const void* s, unsigned e) { mla_hip_e2m1x16_to_bf16(d, s, e); }
+extern "C" void fp8x4(void* d, const void* s) { mla_hip_fp8x4_to_bf16(d, s); }
+extern "C" void e2m1x4(void* d, const void* s, unsigned e) { mla_hip_e2m1x4_to_bf16(d, s, e); }
 extern "C" void pack(void* d, float a, float b) { mla_hip_pack_bf16x2(d, a, b); }
 """
     import ctypes
@@ -468,6 +487,8 @@ extern "C" void pack(void* d, float a, float b) { mla_hip_pack_bf16x2(d, a, b); 
         lib = ctypes.CDLL(str(tmp / "d.so"))
     lib.fp8.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.e2m1.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    lib.fp8x4.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.e2m1x4.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
     lib.pack.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_float]
     return lib
 
@@ -523,6 +544,35 @@ def test_e2m1_decode_exhaustive(e):
         with np.errstate(over="ignore"):  # intended: at e = 253, 254 large codes overflow f32 to inf, as in the kernel
             want = want.astype(np.float32).astype(np.float64)  # the f32 product; bf16 holds it (2 significant bits)
         np.testing.assert_array_equal(got, want, err_msg=f"e={e} bytes {lo}..{lo + 7}")
+
+
+def test_fp8x4_decode_exhaustive():
+    """The rope share's decode (4 codes, one word): every e4m3fnuz code exact, order kept."""
+    lib = _host_decoder_cached()
+    ref = np.array([_fnuz_value(c) for c in range(256)])
+    for lo in range(0, 256, 4):
+        codes = np.arange(lo, lo + 4, dtype=np.uint8)
+        np.testing.assert_array_equal(_bf16_to_f64(_run(lib, "fp8x4", codes, 4)), ref[lo:lo + 4])
+
+
+@pytest.mark.parametrize("e", [0, 1, 127, 128, 200, 254, 255])
+def test_e2m1x4_decode_exhaustive(e):
+    """The rope share's mxfp4 decode (4 codes, two bytes): every pair of bytes gives exactly the x16 decode's values
+    (code * 2^(e - 127) as bf16, NaN for e = 255) in dequant_hip.E2M1X4_ORDER, for every half-word."""
+    lib = _host_decoder_cached()
+    mags = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    code_value = np.concatenate([mags, -mags])
+    words = np.arange(65536, dtype=np.uint32)
+    src = np.stack([words & 255, words >> 8], axis=1).astype(np.uint8)  # every half-word, little-endian
+    got = np.stack([_bf16_to_f64(_run(lib, "e2m1x4", src[h].copy(), 4, e)) for h in range(65536)])
+    if e == 255:
+        assert np.isnan(got).all()
+        return
+    codes = np.stack([(words >> (4 * i)) & 15 for i in range(4)], axis=1)  # code i: nibble i
+    want = code_value[codes[:, list(dequant_hip.E2M1X4_ORDER)]] * 2.0 ** (e - 127)
+    with np.errstate(over="ignore"):
+        want = want.astype(np.float32).astype(np.float64)
+    np.testing.assert_array_equal(got, want, err_msg=f"e={e}")
 
 
 def test_pack_rounds_to_nearest():
