@@ -28,7 +28,9 @@ e2m1 x e8m0 -> bf16 (``mla_hip_e2m1x16_to_bf16``: 16 codes, two words, plus the 
 
 Helpers: ``mla_hip_pair_tokens`` transposes the 8 pairs of two tokens into 8 + 8 (dim: token 0, token 1) pairs for
 the V^T slice (one permute per output word); ``mla_hip_pack_bf16x2`` rounds two f32 to a bf16 pair (to nearest,
-ties away from zero; P of the P V MFMA, finite in [0, 1]).
+ties away from zero) and ``mla_hip_round_bf16`` one f32 the same way (P of the P V MFMA, finite in [0, 1]: each wave
+rounds its own P value). ``mla_hip_fp8x4_to_bf16`` and ``mla_hip_e2m1x4_to_bf16`` decode a lane's rope share (4
+codes) as the 16-code functions do.
 
 Instruction counts per element (gfx942 code objects, ``tools/gfx942_report.py``): see docs/gfx942.md.
 """
@@ -137,6 +139,10 @@ static __device__ inline __attribute__((always_inline)) void mla_hip_pair_tokens
     out[2 * i + 1] = __builtin_amdgcn_perm(b[i], a[i], 0x07060302u);
   }
 }
+// One f32 -> bf16 at dst, rounded as mla_hip_pack_bf16x2 rounds (to nearest, ties away from zero).
+static __device__ inline __attribute__((always_inline)) void mla_hip_round_bf16(void* dst, float a) {
+  *(unsigned short*)dst = (unsigned short)((__builtin_bit_cast(unsigned, a) + 0x8000u) >> 16);
+}
 // Two f32 -> one bf16 pair, rounded to nearest (ties away from zero); for finite inputs and NaN (stays NaN).
 static __device__ inline __attribute__((always_inline)) void mla_hip_pack_bf16x2(void* dst, float a, float b) {
   *(unsigned*)dst = __builtin_amdgcn_perm(__builtin_bit_cast(unsigned, b) + 0x8000u,
@@ -173,6 +179,11 @@ def e2m1x4_to_bf16(dst, src, scale_byte):
 def pair_tokens(dst, t0, t1):
     """16 bf16 of token 0 and of token 1 -> 16 (token 0, token 1) pairs at ``dst`` (32 bf16)."""
     return T.evaluate(T.call_extern("handle", "mla_hip_pair_tokens", dst, t0, t1))
+
+
+def round_bf16(dst, a):
+    """One f32 -> bf16 at ``dst`` (rounded to nearest, as ``pack_bf16x2``)."""
+    return T.evaluate(T.call_extern("handle", "mla_hip_round_bf16", dst, a))
 
 
 def pack_bf16x2(dst, a, b):

@@ -5,7 +5,8 @@ gfx942); it has the same arguments and results as the block-level program, and a
 share one 32-token KV tile, each owning 64 of the 512 latent dims for Q K^T and P V on MFMA, with hand-placed
 operands and tiles prefetched into registers one ahead. Its pipeline per query pass (``body``): Q slices into
 registers (``load_q``), then per tile ``load_tile`` (the next tile's loads, issued first) and ``compute_tile``
-(partial scores, their reduce-scatter in LDS, the online softmax per head, P V), then the pass's results.
+(partial scores, their reduce-scatter in LDS, each wave's share of the online softmax, P V), then the pass's
+results (the denominator's shares summed once per pass).
 
 The lane maps below are shared by the program (with TIR expressions) and its NumPy model in
 tests/test_gfx942.py (with integers).
@@ -72,6 +73,12 @@ def ds_p_score(s, c):
     return (c % 2) * 4 + 2 * s + c // 2
 
 
+def ds_p_slot(wave):
+    """Slot (s * 4 + c) of a lane's P operand that holds score ``wave`` (the inverse of ds_p_score): wave w writes its
+    P value there, so one 16-byte LDS read gives every wave its operand in order."""
+    return 4 * ((wave % 4) // 2) + 2 * (wave % 2) + wave // 4
+
+
 def ds_vt_col(d, token):
     """LDS column of (dim d, token) in a wave's V^T slice: the four 8-token (16-byte) chunks of row d are swizzled by
     (d >> 1) & 3, so the P V operand reads (16 lanes: rows 16 nt + m, the same chunk g) spread over all 32 banks
@@ -122,18 +129,21 @@ static __device__ inline __attribute__((always_inline)) unsigned int mla_ds_load
 def dim_split_body(cfg, dims: dict):
     """The decode program for gfx942 as wave-level code (``cfg.dim_split``): same arguments and results as
     ``decode_body``, different work split. One workgroup = 8 wave64s sharing one 32-token KV tile per step, so one
-    workgroup of 48 KiB LDS keeps 8 waves on a CU (2 per SIMD). Per tile:
+    workgroup of 50 KiB LDS keeps 8 waves on a CU (2 per SIMD). Per tile:
       1. each lane already holds the tile in registers (issued one tile ahead, whole-vector loads, rows of a paged
          cache looked up two tiles ahead), and issues the loads of the next tile before computing this one;
       2. S^T partial = K Q^T over the wave's 64 latent dims and its eighth of the rope (two bf16 MFMAs, one per
          n-tile, Q zero in the n-tile the wave has no rope of) on MFMA, both operands from registers (the lane's 16
          dims of two tokens; Q once per pass); the wave writes its V^T slice
          (64 dims x 32 tokens, bf16, tokens contiguous) to its own LDS region;
-      3. the 8 partial score tiles meet in LDS (one barrier) and every wave sums them: lane (m, g) holds head m,
-         tokens 8g + 2r + j, exactly the P operand of the P V MFMA, so P never goes through LDS;
-      4. online softmax in base 2 per head (max / sum across the 4 lane groups with two xor shuffles);
-      5. O^T += V^T P^T for the wave's 64 output dims: V^T read with 16-byte LDS reads, P from registers; lane
-         (m, g) accumulates head m, dims 16 nt + 4g + r, so the softmax rescale is lane-local.
+      3. the 8 partial score tiles meet in LDS (one barrier) and wave w sums score w of every lane (head m, token
+         ds_score_token(g, w)): each wave finishes an eighth of the scores;
+      4. online softmax in base 2, shared out: each wave masks and scales its score, the head's tile max meets over
+         the 4 lane groups (two xor shuffles) and the 8 waves (LDS, one barrier), each wave takes exp2 of its score
+         only, keeps it in the lane's share of the denominator, and writes it as bf16 to the lane's P operand in LDS
+         (ds_p_slot); after one more barrier every wave reads its P operand (one 16-byte read per lane);
+      5. O^T += V^T P^T for the wave's 64 output dims: V^T read with 16-byte LDS reads; lane (m, g) accumulates
+         head m, dims 16 nt + 4g + r, so the softmax rescale is lane-local.
     The MFMA lane layouts (16x16x16 bf16; 16x16x32 fp8): operand A lane (i, kgroup) = (lane % 16, lane // 16),
     B lane (j, kgroup), result D[4 (lane // 16) + r][lane % 16]; the k order inside a step is free as long as
     both operands use the same one."""
@@ -336,40 +346,39 @@ def dim_split_body(cfg, dims: dict):
             st.S_part[st.wave, st.lane, i] = st.s_acc[i]
         T.sync_threads()
         # Stage 3: the full scores, reduce-scattered: wave w sums score w of every lane over the 8 partials (7 adds
-        # instead of 56 per wave), the 8 sums meet in LDS, every wave reads its lanes' 8 (two 16-byte reads).
+        # instead of 56 per wave) and does that score's share of the softmax (one score per lane, not eight).
         st.s_sum[0] = 0
         for w in T.unroll(DS_WAVES):
             st.s_sum[0] += st.S_part[w, st.lane, st.wave]
-        st.S_tot[st.lane, st.wave] = st.s_sum[0]
-        T.sync_threads()
-        for i in T.vectorized(DS_SCORES):
-            st.s_tot[i] = st.S_tot[st.lane, i]
         horizon = st.split_hi
         if cfg.causal:
             horizon = T.min(st.split_hi, st.kv_len - st.q_len + q_pass + 1)
-        for i in T.unroll(DS_SCORES):
-            st.s_tot[i] = T.if_then_else(tile_lo + ds_score_token(st.g, i) < horizon, st.s_tot[i] * st.score_scale, ninf)
-        # Stage 4: online softmax (base 2) of head m: the tile's max and sum over 8 scores and 4 lane groups.
-        st.row_max_new[0] = st.row_max[0]
-        for i in T.unroll(DS_SCORES):
-            st.row_max_new[0] = T.max(st.row_max_new[0], st.s_tot[i])
-        st.row_max_new[0] = T.max(st.row_max_new[0], T.shfl_xor(st.row_max_new[0], 16, width=64))
+        st.s_sum[0] = T.if_then_else(tile_lo + ds_score_token(st.g, st.wave) < horizon, st.s_sum[0] * st.score_scale, ninf)
+        # Stage 4: online softmax (base 2) of head m. The tile's max: over the wave's 4 tokens of the head (lane
+        # groups, two xor shuffles), then over the 8 waves through LDS (every wave reads all 8: one 32-byte read).
+        st.row_max_new[0] = T.max(st.s_sum[0], T.shfl_xor(st.s_sum[0], 16, width=64))
         st.row_max_new[0] = T.max(st.row_max_new[0], T.shfl_xor(st.row_max_new[0], 32, width=64))
+        st.M_part[st.m, st.wave] = st.row_max_new[0]
+        T.sync_threads()
+        for w in T.vectorized(DS_WAVES):
+            st.m_all[w] = st.M_part[st.m, w]
+        st.row_max_new[0] = st.row_max[0]
+        for w in T.unroll(DS_WAVES):
+            st.row_max_new[0] = T.max(st.row_max_new[0], st.m_all[w])
         st.row_safe[0] = T.if_then_else(st.row_max_new[0] == ninf, 0, st.row_max_new[0])
         st.rescale[0] = T.exp2(st.row_max[0] - st.row_safe[0])
         st.row_max[0] = st.row_max_new[0]
-        st.row_sum[0] = 0
-        for i in T.unroll(DS_SCORES):
-            st.s_tot[i] = T.exp2(st.s_tot[i] - st.row_safe[0])
-            st.row_sum[0] += st.s_tot[i]
-        st.row_sum[0] += T.shfl_xor(st.row_sum[0], 16, width=64)
-        st.row_sum[0] += T.shfl_xor(st.row_sum[0], 32, width=64)
-        st.denom[0] = st.denom[0] * st.rescale[0] + st.row_sum[0]
+        # The wave's P value: its f32 goes into the lane's share of the denominator (summed over lane groups and
+        # waves once per pass), its bf16 (to nearest) to LDS, where every wave reads its P operand (one 16-byte read).
+        st.s_sum[0] = T.exp2(st.s_sum[0] - st.row_safe[0])
+        st.denom[0] = st.denom[0] * st.rescale[0] + st.s_sum[0]
+        dequant_hip.round_bf16(T.address_of(st.p_one[0]), st.s_sum[0])
+        st.P_tot[st.lane, ds_p_slot(st.wave)] = st.p_one[0]
         for i in T.unroll(16):
             st.acc_o[i] *= st.rescale[0]
-        for s in T.unroll(2):
-            for h in T.unroll(2):
-                dequant_hip.pack_bf16x2(T.address_of(st.p_op[s * 4 + 2 * h]), st.s_tot[ds_p_score(s, 2 * h)], st.s_tot[ds_p_score(s, 2 * h + 1)])
+        T.sync_threads()
+        for k in T.vectorized(8):
+            st.p_op[k] = st.P_tot[st.lane, k]
         # Stage 5: O^T (dims, heads) += V^T P^T, 4 blocks of 16 dims, 2 k-steps of 16 tokens.
         for nt in T.unroll(4):
             for v in T.vectorized(8):
@@ -387,7 +396,8 @@ def dim_split_body(cfg, dims: dict):
             T.import_source(_DS_HIP_HELPERS + dequant_hip.HIP_SOURCE)
             VT = T.alloc_shared([DS_WAVES, DS_DIMS, block_n], bf16)  # per wave: V^T of its 64 latent dims
             S_part = T.alloc_shared([DS_WAVES, DS_LANES, DS_SCORES], f32)  # per wave: its partial scores
-            S_tot = T.alloc_shared([DS_LANES, DS_SCORES], f32)  # the tile's scores, [lane, score]
+            M_part = T.alloc_shared([16, DS_WAVES], f32)  # per head: each wave's tile max (end of pass: denominators)
+            P_tot = T.alloc_shared([DS_LANES, 8], bf16)  # the tile's P operand of every lane (ds_p_slot order)
             s_sum = T.alloc_local([1], f32)
             kv_raw = T.alloc_local([2, 2, lane_elems], kv_dtype)  # latent: [ping-pong buffer, token j, element]
             kv_rope = T.alloc_local([2, rope_elems], kv_dtype)  # the lane's rope share: [ping-pong buffer, element]
@@ -401,7 +411,8 @@ def dim_split_body(cfg, dims: dict):
             v_pairs = T.alloc_local([32], bf16)  # [2 e + j]: element e of token j (V^T pairs)
             q_tmp = T.alloc_local([16], bf16)  # mxfp4: Q slice before the permute into the decode's order
             s_acc = T.alloc_local([DS_SCORES], f32)  # MFMA result: [j * 4 + r] = S(head m, token 8g + 2r + j)
-            s_tot = T.alloc_local([DS_SCORES], f32)
+            m_all = T.alloc_local([DS_WAVES], f32)
+            p_one = T.alloc_local([2], bf16)  # the wave's P value as bf16
             p_op = T.alloc_local([8], bf16)  # [s * 4 + c] = P(head m, token 8g + 4s + c)
             v_op = T.alloc_local([8], bf16)  # V^T(dim, tokens 8g .. 8g + 7)
             acc_o = T.alloc_local([16], f32)  # [nt * 4 + r] = O(head m, dim 64 wave + 16 nt + 4g + r)
@@ -409,7 +420,6 @@ def dim_split_body(cfg, dims: dict):
             row_max_new = T.alloc_local([1], f32)
             row_safe = T.alloc_local([1], f32)
             rescale = T.alloc_local([1], f32)
-            row_sum = T.alloc_local([1], f32)
             denom = T.alloc_local([1], f32)
 
             tx = T.get_thread_binding()
@@ -431,10 +441,10 @@ def dim_split_body(cfg, dims: dict):
             st = SimpleNamespace(
                 wave=wave, g=g, m=m, lane=lane, kv_raw=kv_raw, kv_rope=kv_rope, q_rope=q_rope, k_rope=k_rope,
                 sc_word=sc_word, sc_shift=sc_shift, rows=rows, q_op=q_op,
-                k_op=k_op, v_pairs=v_pairs, q_tmp=q_tmp, s_acc=s_acc, s_tot=s_tot, p_op=p_op, v_op=v_op, acc_o=acc_o, split_lo=split_lo,
+                k_op=k_op, v_pairs=v_pairs, q_tmp=q_tmp, s_acc=s_acc, m_all=m_all, p_one=p_one, p_op=p_op, v_op=v_op, acc_o=acc_o, split_lo=split_lo,
                 split_hi=split_hi, kv_begin=kv_begin, kv_len=kv_len, q_len=q_len, seq_id=seq_id, Page_table=Page_table,
-                KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, score_scale=score_scale, q_scale=q_scale, VT=VT, S_part=S_part, S_tot=S_tot, s_sum=s_sum,
-                row_max_new=row_max_new, row_max=row_max, row_safe=row_safe, rescale=rescale, row_sum=row_sum,
+                KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, score_scale=score_scale, q_scale=q_scale, VT=VT, S_part=S_part, M_part=M_part, P_tot=P_tot, s_sum=s_sum,
+                row_max_new=row_max_new, row_max=row_max, row_safe=row_safe, rescale=rescale,
                 denom=denom,
             )
 
@@ -454,18 +464,35 @@ def dim_split_body(cfg, dims: dict):
                     load_tile(st, 0, 0, 0)
                     if cfg.page_size:
                         look_up_rows(st, 0, 2)
+                    load_tile(st, 1, 1, 1)
+                    if cfg.page_size:
+                        look_up_rows(st, 1, 3)
+                    # Each buffer's next loads are issued right after its compute, at the same level of the loop
+                    # body: a load of tile t + 1 issued before a branch that alone uses it is sunk into that branch
+                    # by the compiler (then waited for at once, with the other buffer's loads in flight: vmcnt(0)).
                     for it in T.serial(T.ceildiv(num_tiles, 2)):
-                        load_tile(st, 1, 1, it * 2 + 1)
-                        if cfg.page_size:
-                            look_up_rows(st, 1, it * 2 + 3)
                         compute_tile(st, 0, it * 2, q_pass)
                         load_tile(st, 0, 0, it * 2 + 2)
                         if cfg.page_size:
                             look_up_rows(st, 0, it * 2 + 4)
                         if it * 2 + 1 < num_tiles:
                             compute_tile(st, 1, it * 2 + 1, q_pass)
+                        load_tile(st, 1, 1, it * 2 + 3)
+                        if cfg.page_size:
+                            look_up_rows(st, 1, it * 2 + 5)
 
-                # Stage 6: normalise and write (head m, dims 64 wave + 16 nt + 4g .. + 3).
+                # Stage 6: the denominator of head m from the lanes' shares (4 lane groups, then 8 waves through LDS;
+                # every wave saw the same maxima, so the shares are on one scale), then normalise and write (head m,
+                # dims 64 wave + 16 nt + 4g .. + 3).
+                denom[0] += T.shfl_xor(denom[0], 16, width=64)
+                denom[0] += T.shfl_xor(denom[0], 32, width=64)
+                M_part[m, wave] = denom[0]
+                T.sync_threads()
+                for w in T.vectorized(DS_WAVES):
+                    m_all[w] = M_part[m, w]
+                denom[0] = 0
+                for w in T.unroll(DS_WAVES):
+                    denom[0] += m_all[w]
                 for nt in T.unroll(4):
                     for r in T.vectorized(4):
                         value = T.if_then_else(denom[0] > 0, acc_o[nt * 4 + r] * out_scale / denom[0], 0)

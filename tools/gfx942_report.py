@@ -19,8 +19,13 @@ times waves per workgroup), ``mfma`` (static ``v_mfma*`` count), and, in the KV 
 disassembly that holds MFMAs): ``vmcnt0_in_loop`` (``s_waitcnt vmcnt(0)``), ``vmcnt0_between_loads`` (those with a
 global load of the loop on either side before the loop wraps: a wait that serialises one tile's loads),
 ``global_loads_in_loop``; over the whole kernel: ``byte_loads`` (global/buffer loads of 1 byte) and ``ds_read_u16``
-(LDS reads of 2 bytes or fewer: ``ds_read_u16/i16/u8/i8``, incl. ``_d16`` forms). Register counts come from
-upstream LLVM, not AMD's compiler: indicative. Nothing here runs a kernel.
+(LDS reads of 2 bytes or fewer: ``ds_read_u16/i16/u8/i8``, incl. ``_d16`` forms). Per dim_split decode kernel, the
+per-tile cycle model (``tile_model``; each wave counted for what it runs): ``valu_per_tile``, ``salu_per_tile``,
+``mfma_per_tile``, ``lds_bytes_per_tile``, ``global_bytes_per_token`` (every load of the KV loop) and
+``kv_bytes_per_token`` (less the page-table words), ``clocks_per_tile`` (VALU, SALU, MFMA, LDS, L1, HBM clocks of one
+32-token tile on one CU), ``bound`` (the largest) and ``roofline_share`` (HBM clocks / bound clocks), beside issue
+16's ``tile_budget`` and ``budget_ratio``. Register counts come from upstream LLVM, not AMD's compiler:
+indicative. Nothing here runs a kernel.
 """
 
 from __future__ import annotations
