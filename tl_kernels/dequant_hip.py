@@ -28,7 +28,9 @@ e2m1 x e8m0 -> bf16 (``mla_hip_e2m1x16_to_bf16``: 16 codes, two words, plus the 
 
 Helpers: ``mla_hip_pair_tokens`` transposes the 8 pairs of two tokens into 8 + 8 (dim: token 0, token 1) pairs for
 the V^T slice (one permute per output word); ``mla_hip_pack_bf16x2`` rounds two f32 to a bf16 pair (to nearest,
-ties away from zero; P of the P V MFMA, finite in [0, 1]).
+ties away from zero) and ``mla_hip_round_bf16`` one f32 the same way (P of the P V MFMA, finite in [0, 1]: each wave
+rounds its own P value). ``mla_hip_fp8x4_to_bf16`` and ``mla_hip_e2m1x4_to_bf16`` decode a lane's rope share (4
+codes) as the 16-code functions do.
 
 Instruction counts per element (gfx942 code objects, ``tools/gfx942_report.py``): see docs/gfx942.md.
 """
@@ -43,6 +45,12 @@ def e2m1_order(e):
 
 
 E2M1_ORDER = tuple(e2m1_order(e) for e in range(CHUNK))
+def e2m1x4_order(e):
+    """Code (of 4) held by output element e of mla_hip_e2m1x4_to_bf16 (pair k: codes k, k + 2); ints or TIR."""
+    return (e % 2) * 2 + e // 2
+
+
+E2M1X4_ORDER = tuple(e2m1x4_order(e) for e in range(4))  # (0, 2, 1, 3)
 
 HIP_SOURCE = r"""
 typedef float mla_hip_f32x2 __attribute__((ext_vector_type(2)));
@@ -62,6 +70,15 @@ static __device__ inline __attribute__((always_inline)) void mla_hip_fp8x16_to_b
     out[2 * w] = mla_hip_top_halves(lo.x, lo.y);
     out[2 * w + 1] = mla_hip_top_halves(hi.x, hi.y);
   }
+}
+// 4 e4m3fnuz codes (one word) -> 2 bf16 pairs, element order kept (a wave's share of a token's rope dims).
+static __device__ inline __attribute__((always_inline)) void mla_hip_fp8x4_to_bf16(void* dst, const void* src) {
+  const unsigned in = *(const unsigned*)src;
+  unsigned* out = (unsigned*)dst;
+  const mla_hip_f32x2 lo = __builtin_amdgcn_cvt_pk_f32_fp8((int)in, false);
+  const mla_hip_f32x2 hi = __builtin_amdgcn_cvt_pk_f32_fp8((int)in, true);
+  out[0] = mla_hip_top_halves(lo.x, lo.y);
+  out[1] = mla_hip_top_halves(hi.x, hi.y);
 }
 // e8m0 byte -> 2^(e - 127) as f32, exact over the whole range: e = 0 -> 2^-127 (subnormal), e = 255 -> NaN.
 static __device__ inline __attribute__((always_inline)) float mla_hip_e8m0_to_f32(unsigned e) {
@@ -91,6 +108,26 @@ static __device__ inline __attribute__((always_inline)) void mla_hip_e2m1x16_to_
     }
   }
 }
+// 4 e2m1 codes (the 16-bit half-word at src, code i = nibble i) with e8m0 block byte e -> 2 bf16 pairs of the
+// stored values, pair k = codes (k, k + 2): the two bytes are moved 16 bits apart (one AND-OR), then each pair is
+// the x16 function's pair k (same steps, same exactness).
+static __device__ inline __attribute__((always_inline)) void mla_hip_e2m1x4_to_bf16(void* dst, const void* src, unsigned e) {
+  const unsigned h = *(const unsigned short*)src;
+  const unsigned x = (h & 0xffu) | ((h & 0xff00u) << 8);
+  unsigned* out = (unsigned*)dst;
+  const float f = mla_hip_e8m0_to_f32(e);
+  const mla_hip_f32x2 scale = {f, f};
+  const mla_hip_f32x2 unplace = {0x1p126f, 0x1p126f};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const unsigned mag = (x << (6 - 4 * k)) & 0x01c001c0u;
+    const unsigned sgn = (x << (12 - 4 * k)) & 0x80008000u;
+    const unsigned p = mag | sgn;
+    mla_hip_f32x2 v = {__builtin_bit_cast(float, p << 16), __builtin_bit_cast(float, p & 0xffff0000u)};
+    v = v * unplace * scale;
+    out[k] = mla_hip_top_halves(v.x, v.y);
+  }
+}
 // Two tokens' 8 pairs each (t0, t1: elements 2i, 2i + 1 of pair i) -> 16 pairs (element e: token 0, token 1).
 static __device__ inline __attribute__((always_inline)) void mla_hip_pair_tokens(void* dst, const void* t0, const void* t1) {
   const unsigned* a = (const unsigned*)t0;
@@ -101,6 +138,10 @@ static __device__ inline __attribute__((always_inline)) void mla_hip_pair_tokens
     out[2 * i] = __builtin_amdgcn_perm(b[i], a[i], 0x05040100u);
     out[2 * i + 1] = __builtin_amdgcn_perm(b[i], a[i], 0x07060302u);
   }
+}
+// One f32 -> bf16 at dst, rounded as mla_hip_pack_bf16x2 rounds (to nearest, ties away from zero).
+static __device__ inline __attribute__((always_inline)) void mla_hip_round_bf16(void* dst, float a) {
+  *(unsigned short*)dst = (unsigned short)((__builtin_bit_cast(unsigned, a) + 0x8000u) >> 16);
 }
 // Two f32 -> one bf16 pair, rounded to nearest (ties away from zero); for finite inputs and NaN (stays NaN).
 static __device__ inline __attribute__((always_inline)) void mla_hip_pack_bf16x2(void* dst, float a, float b) {
@@ -125,9 +166,24 @@ def e2m1x16_to_bf16(dst, src, scale_byte):
     return T.evaluate(T.call_extern("handle", "mla_hip_e2m1x16_to_bf16", dst, src, scale_byte))
 
 
+def fp8x4_to_bf16(dst, src):
+    """4 e4m3fnuz codes (one word) at ``src`` -> 4 bf16 at ``dst``, exact, order kept."""
+    return T.evaluate(T.call_extern("handle", "mla_hip_fp8x4_to_bf16", dst, src))
+
+
+def e2m1x4_to_bf16(dst, src, scale_byte):
+    """4 e2m1 codes (2 bytes) at ``src`` with the block's e8m0 byte -> 4 bf16 at ``dst`` in ``E2M1X4_ORDER``."""
+    return T.evaluate(T.call_extern("handle", "mla_hip_e2m1x4_to_bf16", dst, src, scale_byte))
+
+
 def pair_tokens(dst, t0, t1):
     """16 bf16 of token 0 and of token 1 -> 16 (token 0, token 1) pairs at ``dst`` (32 bf16)."""
     return T.evaluate(T.call_extern("handle", "mla_hip_pair_tokens", dst, t0, t1))
+
+
+def round_bf16(dst, a):
+    """One f32 -> bf16 at ``dst`` (rounded to nearest, as ``pack_bf16x2``)."""
+    return T.evaluate(T.call_extern("handle", "mla_hip_round_bf16", dst, a))
 
 
 def pack_bf16x2(dst, a, b):

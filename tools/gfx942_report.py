@@ -19,8 +19,13 @@ times waves per workgroup), ``mfma`` (static ``v_mfma*`` count), and, in the KV 
 disassembly that holds MFMAs): ``vmcnt0_in_loop`` (``s_waitcnt vmcnt(0)``), ``vmcnt0_between_loads`` (those with a
 global load of the loop on either side before the loop wraps: a wait that serialises one tile's loads),
 ``global_loads_in_loop``; over the whole kernel: ``byte_loads`` (global/buffer loads of 1 byte) and ``ds_read_u16``
-(LDS reads of 2 bytes or fewer: ``ds_read_u16/i16/u8/i8``, incl. ``_d16`` forms). Register counts come from
-upstream LLVM, not AMD's compiler: indicative. Nothing here runs a kernel.
+(LDS reads of 2 bytes or fewer: ``ds_read_u16/i16/u8/i8``, incl. ``_d16`` forms). Per dim_split decode kernel, the
+per-tile cycle model (``tile_model``; each wave counted for what it runs): ``valu_per_tile``, ``salu_per_tile``,
+``mfma_per_tile``, ``lds_bytes_per_tile``, ``global_bytes_per_token`` (every load of the KV loop) and
+``kv_bytes_per_token`` (less the page-table words), ``clocks_per_tile`` (VALU, SALU, MFMA, LDS, L1, HBM clocks of one
+32-token tile on one CU), ``bound`` (the largest) and ``roofline_share`` (HBM clocks / bound clocks), beside issue
+16's ``tile_budget`` and ``budget_ratio``. Register counts come from upstream LLVM, not AMD's compiler:
+indicative. Nothing here runs a kernel.
 """
 
 from __future__ import annotations
@@ -240,16 +245,117 @@ def analyse(dis: str, notes: str) -> dict:
     return res
 
 
-def tile_budget(res: dict, cfg) -> None:
-    """Issue 16's per-tile fields, from one KV loop trip (two tiles, each worked on by the 8 waves): VALU and SALU
-    wave-instructions per 32-token tile (static: every instruction of the trip counted for every wave, so wave 0's
-    rope branch counts eight times: an upper bound), the format's budget and their ratio."""
-    if res.get("valu_in_loop") is None or not getattr(cfg, "dim_split", False):
+# ----------------------------------------------------------------------------------------------- per-tile cycle model
+# What one CU does for one 32-token KV tile (issue 31), from the code object's KV loop (one trip = TILES_PER_TRIP
+# tiles, every wave of the workgroup runs it; blocks that only wave 0 runs are counted once, see wave0_lines), each
+# unit's work turned into CU clocks. MI300X figures (CDNA3: 304 CUs, 2.1 GHz, 4 SIMDs per CU):
+# - VALU: each SIMD issues one wave64 VALU instruction per 4 clocks, so the CU retires 1 per clock; transcendentals
+#   (v_exp, v_log, v_rcp, v_rsq, v_sqrt, v_sin, v_cos) are quarter rate: 4 clocks each.
+# - SALU: one scalar unit per CU, one instruction per clock (waits, nops, branches and barriers not counted).
+# - MFMA: clocks of one SIMD's matrix core per instruction, MFMA_CLOCKS, spread over the 4 SIMDs. 16x16x16 bf16 and
+#   16x16x32 fp8 take 16 clocks each: AMD's MI300X dense peaks (1307 TFLOP/s bf16, 2615 fp8) at 2.1 GHz over 304 x 4
+#   SIMDs are 512 / 1024 flops per SIMD clock, and the instructions are 8192 / 16384 flops. (LLVM's gfx942
+#   scheduling model says 8 clocks of latency and an issue every 4: it models the pipeline, not the rate.)
+# - LDS: 128 bytes per clock per CU, reads and writes (ds_bpermute / ds_swizzle: 4 bytes per lane).
+# - L1 (vector memory): 64 bytes per clock per CU of what the loads ask for, redundant bytes included.
+# - HBM: the tile's bytes in the cache format at 5.3 TB/s shared by 304 CUs (HBM_BYTES_PER_CLK_PER_CU).
+# The bound is the unit with the most clocks; the predicted share of the read roofline is HBM clocks / bound clocks
+# (1.0 when HBM bounds the tile). A model: no latency, no bank conflicts, no overlap limits.
+VALU_QUARTER_RATE = re.compile(r"^\s+v_(?:exp|log|rcp|rsq|sqrt|sin|cos)_")
+MFMA_CLOCKS = {"v_mfma_f32_16x16x16_bf16": 16, "v_mfma_f32_16x16x32_fp8_fp8": 16}
+LDS_BYTES_PER_CLK = 128
+L1_BYTES_PER_CLK = 64
+LOAD_BYTES = {"ubyte": 1, "sbyte": 1, "ushort": 2, "sshort": 2, "dword": 4, "dwordx2": 8, "dwordx3": 12,
+              "dwordx4": 16}
+DS_BYTES = re.compile(r"^\s+ds_(read|write)(2st64|2)?_(b32|b64|b96|b128|u8|i8|u16|i16|u16_d16\w*|u8_d16\w*)")
+DS_WIDTH = {"b32": 4, "b64": 8, "b96": 12, "b128": 16, "u8": 1, "i8": 1, "u16": 2, "i16": 2}
+DS_PERMUTE = re.compile(r"^\s+ds_(?:bpermute|permute|swizzle)_b32")
+# Paged kernels: page-table dwords each lane loads per tile (mla_decode_gfx942.DS_PAGE_LOADS_PER_TILE); they are
+# reported apart from the cache bytes (global_bytes_per_token counts them, kv_bytes_per_token does not).
+FORMAT_BYTES_PER_TOKEN = {k: v // TILE_TOKENS for k, v in TILE_BYTES.items()}
+
+
+def wave0_lines(lines: list[str]) -> set[int]:
+    """Indices of the lines only wave 0 runs: the blocks between ``s_and_saveexec_b64 _, sX`` + ``s_cbranch_execz L``
+    and L, where sX holds ``v_cmp_gt_u32 sX, N, v0`` (threadIdx.x < N <= 64) taken while v0 was still threadIdx.x
+    and not written again. The other waves run the mask and the branch only (counted for them)."""
+    masks, v0_live, writes = {}, True, collections.defaultdict(list)
+    for i, x in enumerate(lines):
+        m = re.match(r"^\s+v_cmp_gt_u32_e64\s+(s\[\d+:\d+\]),\s*(\d+),\s*v0\b", x)
+        if m and v0_live and int(m.group(2)) <= 64:
+            masks[m.group(1)] = i
+        m = re.match(r"^\s+[sv]_\w+\s+(s\[\d+:\d+\]|v\d+|v\[\d+:\d+\])", x)
+        if m:
+            writes[m.group(1)].append(i)
+            if m.group(1) == "v0" or m.group(1).startswith("v[0:"):
+                v0_live = False
+    # the mask must not be written again after the compare (anywhere later in the kernel: blocks are out of order)
+    masks = {s for s, i in masks.items() if max(writes[s]) == i}
+    out = set()
+    for i, x in enumerate(lines):
+        m = re.match(r"^\s+s_and_saveexec_b64\s+s\[\d+:\d+\],\s*(s\[\d+:\d+\])", x)
+        if not (m and m.group(1) in masks and i + 1 < len(lines)):
+            continue
+        b = re.match(r"^\s+s_cbranch_execz\s+(L\d+)", lines[i + 1])
+        if not b:
+            continue
+        for k in range(i + 2, len(lines)):
+            if re.match(r"^(?:[0-9a-f]+ )?<" + b.group(1) + r">:", lines[k].strip()):
+                break
+            out.add(k)
+    return out
+
+
+def tile_model(res: dict, cfg, lines: list[str], loop: list[int]) -> None:
+    """The per-tile fields of a dim_split kernel (issue 16's VALU budget, issue 31's cycle model), per wave what that
+    wave runs. valu_per_tile / tile_budget = budget_ratio keeps issue 16's definition (one clock per VALU
+    instruction, target <= BUDGET_TARGET)."""
+    if not getattr(cfg, "dim_split", False):
         return
-    per_tile = WAVES_PER_TILE / TILES_PER_TRIP
-    budget = TILE_BYTES[cfg.kv_format] / HBM_BYTES_PER_CLK_PER_CU
-    res.update(valu_per_tile=round(res["valu_in_loop"] * per_tile), salu_per_tile=round(res["salu_in_loop"] * per_tile),
-               tile_budget=round(budget), budget_ratio=round(res["valu_in_loop"] * per_tile / budget, 3))
+    only0 = wave0_lines(lines)
+    waves = cfg.threads // 64
+    counts = collections.Counter()
+    lds_bytes = load_bytes = 0.0
+    for i in loop:
+        x = lines[i]
+        w = 1 if i in only0 else waves
+        if MFMA.match(x):
+            counts["mfma"] += w
+            counts["mfma_clocks"] += w * MFMA_CLOCKS.get(MFMA.match(x).group(0).strip(), 16)
+        elif re.match(r"^\s+v_", x):
+            counts["valu"] += w
+            counts["valu_clocks"] += w * (4 if VALU_QUARTER_RATE.match(x) else 1)
+        elif SALU.match(x) and not SALU_NOT_ISSUE.match(x):
+            counts["salu"] += w
+        m = LOAD.match(x)
+        if m:
+            load_bytes += w * 64 * LOAD_BYTES.get(m.group(1), 4)
+        m = DS_BYTES.match(x)
+        if m:
+            width = DS_WIDTH.get(m.group(3)[:3] if m.group(3)[:3] in DS_WIDTH else m.group(3), 2)
+            lds_bytes += w * 64 * width * (2 if m.group(2) else 1)
+        elif DS_PERMUTE.match(x):
+            lds_bytes += w * 64 * 4
+    per = 1 / TILES_PER_TRIP
+    from tl_kernels import mla_decode_gfx942 as ds
+
+    page_bytes = (ds.DS_PAGE_LOADS_PER_TILE * 4 * cfg.threads / TILE_TOKENS) if cfg.page_size else 0
+    tile_hbm = TILE_BYTES[cfg.kv_format] / HBM_BYTES_PER_CLK_PER_CU
+    clocks = dict(valu=counts["valu_clocks"] * per, salu=counts["salu"] * per,
+                  mfma=counts["mfma_clocks"] * per / SIMDS_PER_CU, lds=lds_bytes * per / LDS_BYTES_PER_CLK,
+                  l1=load_bytes * per / L1_BYTES_PER_CLK, hbm=tile_hbm)
+    bound = max(clocks, key=clocks.get)
+    res.update(
+        valu_per_tile=round(counts["valu"] * per), salu_per_tile=round(counts["salu"] * per),
+        mfma_per_tile=round(counts["mfma"] * per), tile_budget=round(tile_hbm),
+        budget_ratio=round(counts["valu"] * per / tile_hbm, 3),
+        lds_bytes_per_tile=round(lds_bytes * per), wave0_only_lines_in_loop=len(only0 & set(loop)),
+        global_bytes_per_token=round(load_bytes * per / TILE_TOKENS, 1),
+        kv_bytes_per_token=round(load_bytes * per / TILE_TOKENS - page_bytes, 1),
+        format_bytes_per_token=FORMAT_BYTES_PER_TOKEN[cfg.kv_format],
+        clocks_per_tile={k: round(v) for k, v in clocks.items()}, bound=bound,
+        roofline_share=round(min(1.0, tile_hbm / clocks[bound]), 3),
+    )
 
 
 def occupancy(vgpr_total, lds_bytes: int, threads: int) -> dict:
@@ -278,7 +384,10 @@ def report_variant(cfg, spec, out: Path, tc: dict) -> dict:
         return res
     res.update(analyse(dis, notes))
     res.update(occupancy(res.get("vgpr_total"), res["lds_bytes"], cfg.threads))
-    tile_budget(res, cfg)
+    lines = dis.partition("\n;;REMARKS\n")[0].splitlines()
+    loop = kv_loop(lines)
+    if loop is not None:
+        tile_model(res, cfg, lines, loop)
     res["ok"] = True
     return res
 
@@ -320,6 +429,21 @@ def markdown(results: list[dict], meta: dict) -> str:
                       f"scratch {span('scratch_bytes')} B, vmcnt(0) in the KV loop {span('vmcnt0_in_loop')} "
                       f"(between loads {span('vmcnt0_between_loads')}), byte loads {span('byte_loads')}, "
                       f"ds_read_u16 {span('ds_read_u16')}; MFMA kinds: {', '.join(kinds)}."]
+    model = [r for r in decode if r.get("clocks_per_tile")]
+    if model:
+        lines += ["", "Per-tile cycle model (one CU, one 32-token tile, clocks; bound = the unit with the most clocks; "
+                      "share = HBM clocks / bound clocks):", "",
+                  "| variant | VALU/tile | ratio | SALU/tile | MFMA/tile | LDS B/tile | global B/token (KV) | format B "
+                  "| VALU clk | SALU clk | MFMA clk | LDS clk | L1 clk | HBM clk | bound | share |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in model:
+            c = r["clocks_per_tile"]
+            kv = r["kv_bytes_per_token"]
+            gb = f"{r['global_bytes_per_token']}" + (f" ({kv})" if kv != r["global_bytes_per_token"] else "")
+            lines.append(f"| `{short(r['name'])}` | {r['valu_per_tile']} | {r['budget_ratio']} | {r['salu_per_tile']} | "
+                         f"{r['mfma_per_tile']} | {r['lds_bytes_per_tile']} | {gb} | {r['format_bytes_per_token']} | "
+                         f"{c['valu']} | {c['salu']} | {c['mfma']} | {c['lds']} | {c['l1']} | {c['hbm']} | "
+                         f"{r['bound']} | {r['roofline_share']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -338,6 +462,9 @@ def targets(results: list[dict]) -> list[str]:
                   "no byte loads": r.get("byte_loads") == 0, "no ds_read_u16": r.get("ds_read_u16") == 0}
         if r.get("budget_ratio") is not None and "_h16_" in r["name"] and "_qt1_" in r["name"]:
             checks[f"VALU per tile <= {BUDGET_TARGET:.0%} of the tile budget"] = r["budget_ratio"] <= BUDGET_TARGET
+            checks["bound HBM"] = r.get("bound") == "hbm"
+            checks["KV bytes per token within 5% of the format's"] = (
+                abs(r["kv_bytes_per_token"] / r["format_bytes_per_token"] - 1) <= 0.05)
         misses += [f"{r['name']}: {k}" for k, ok in checks.items() if not ok]
     return misses
 
@@ -383,7 +510,8 @@ def main() -> int:
         r = report_variant(cfg, spec, args.out, tc)
         results.append(r)
         print(f"[{i}/{len(cfgs)}] {r['name']}: " + (", ".join(f"{k}={r.get(k)}" for k in FIELDS[1:] + (
-            "vmcnt0_between_loads", "valu_per_tile", "salu_per_tile", "tile_budget", "budget_ratio"))
+            "vmcnt0_between_loads", "valu_per_tile", "salu_per_tile", "tile_budget", "budget_ratio",
+            "kv_bytes_per_token", "bound", "roofline_share", "clocks_per_tile"))
               if r.get("ok") else r.get("error", "failed")) + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     md = markdown(results, meta)
     print(md)
