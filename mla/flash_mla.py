@@ -343,19 +343,26 @@ class _DirectRun:
                  num_splits):
         out = torch.empty(*self.out_shape, dtype=_BF16, device=self.device)
         lse = torch.empty(*self.lse_shape, dtype=_FP32, device=self.device)
-        block_scales = self.block_scales
-        if block_scales is None:
-            block_scales = (kv_block_scale.view(torch.uint8) if self.block_scale_as_uint8 else kv_block_scale
-                            ).as_strided((self.block_scale_len,), (1,))
-        q_scale = self.q_scale
-        if q_scale is None:
-            q_scale = descale_q.reshape(1) if self.reshape_q_scale else descale_q
-        kv_scale = self.kv_scale
-        if kv_scale is None:
-            kv_scale = descale_k.reshape(1) if self.reshape_kv_scale else descale_k
+        block_scales, q_scale, kv_scale = _scale_operands(self, kv_block_scale, descale_q, descale_k, self.q_scale)
         self.decode(q, k_cache, block_scales, self.scale_stride, q_scale, kv_scale, cache_seqlens, block_table,
                     sm_scale, self.num_splits, self.o_partial, self.lse_partial, out, lse)
         return out, lse
+
+
+def _scale_operands(run, kv_block_scale, descale_q, descale_k, q_scale):
+    """(block scales, Q scale, KV scale) arguments of a FlashMLA-shaped run's kernel: the run's constants, or the
+    caller's tensors viewed as the kernel takes them (the mxfp4 scales flat, the descales as (1,)); ``q_scale`` None:
+    the caller's descale_q."""
+    block_scales = run.block_scales
+    if block_scales is None:
+        block_scales = (kv_block_scale.view(torch.uint8) if run.block_scale_as_uint8 else kv_block_scale
+                        ).as_strided((run.block_scale_len,), (1,))
+    if q_scale is None:
+        q_scale = descale_q.reshape(1) if run.reshape_q_scale else descale_q
+    kv_scale = run.kv_scale
+    if kv_scale is None:
+        kv_scale = descale_k.reshape(1) if run.reshape_kv_scale else descale_k
+    return block_scales, q_scale, kv_scale
 
 
 def _row_major(t: torch.Tensor) -> bool:
@@ -668,21 +675,11 @@ class _GraphRun:
                 self.schedule(cache_seqlens, num_splits, *self.model.args())
                 self.fresh = False
             self.in_capture = capturing
-        block_scales = self.block_scales
-        if block_scales is None:
-            block_scales = (kv_block_scale.view(torch.uint8) if self.block_scale_as_uint8 else kv_block_scale
-                            ).as_strided((self.block_scale_len,), (1,))
-        q_mode = self.q_mode
-        if q_mode == "bf16":
-            q_scale = self.q_scale
-        elif q_mode == "fp8":  # a8w8 from bf16 Q: amax(|q|) on the device (see mla.launch), the kernel rounds Q
+        q_scale = self.q_scale
+        if self.q_mode == "fp8":  # a8w8 from bf16 Q: amax(|q|) on the device (see mla.launch), the kernel rounds Q
             torch.linalg.vector_norm(q, ord=_INF, dtype=_FP32, out=amax)
             q_scale = amax_arg
-        else:
-            q_scale = descale_q.reshape(1) if self.reshape_q_scale else descale_q
-        kv_scale = self.kv_scale
-        if kv_scale is None:
-            kv_scale = descale_k.reshape(1) if self.reshape_kv_scale else descale_k
+        block_scales, q_scale, kv_scale = _scale_operands(self, kv_block_scale, descale_q, descale_k, q_scale)
         if self.kv_as_uint8:
             k_cache = k_cache.view(torch.uint8)
         if block_table.stride(0) != block_table.shape[1]:  # a slice of a wider buffer (one row included)

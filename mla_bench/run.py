@@ -37,8 +37,8 @@ def kernel_configs(args, cases: list[Case], spec) -> list:
     ))
 
 
-def run_graph_table(args, cases: list[Case]) -> int:
-    """``--graph``: the CUDA-graph table (mla_bench.graph) over the uniform shapes and the modes; JSON if asked."""
+def _setup(args) -> tuple:
+    """(Bench, read ceiling, device name) of a run on the GPU: the header, the ceiling, the flush buffer, the peers."""
     device_name = torch.cuda.get_device_name()
     spec = target.spec_for_device(torch.device(DEVICE))
     print_header(args, spec, device_name)
@@ -48,6 +48,12 @@ def run_graph_table(args, cases: list[Case]) -> int:
     peers = [] if args.no_peers else peer_lib.setup_peers(DEVICE)
     print_peers(peers, args)
     bench = Bench(args=args, spec=spec, device=DEVICE, flush=flush, ceiling_gbps=ceiling["gbps"], peers=peers)
+    return bench, ceiling, device_name
+
+
+def run_graph_table(args, cases: list[Case]) -> int:
+    """``--graph``: the CUDA-graph table (mla_bench.graph) over the uniform shapes and the modes; JSON if asked."""
+    bench, ceiling, device_name = _setup(args)
     print_graph_header(bench)
     rows = [bench_graph(bench, case.batch, case.kv_lens[0], mode) for case in cases if case.uniform
             for mode in args.modes]
@@ -75,15 +81,7 @@ def compile_only(args, cases: list[Case]) -> int:
 
 def run_benchmark(args, cases: list[Case]) -> int:
     """Time every case at every grid point, then the host table; print, and write JSON / plot if asked."""
-    device_name = torch.cuda.get_device_name()
-    spec = target.spec_for_device(torch.device(DEVICE))
-    print_header(args, spec, device_name)
-    ceiling = measure_read_ceiling(DEVICE)
-    print_ceiling(ceiling)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
-    peers = [] if args.no_peers else peer_lib.setup_peers(DEVICE)
-    print_peers(peers, args)
-    bench = Bench(args=args, spec=spec, device=DEVICE, flush=flush, ceiling_gbps=ceiling["gbps"], peers=peers)
+    bench, ceiling, device_name = _setup(args)
     rows = []
     points = grid_points(args)
     for heads, q_len in points:

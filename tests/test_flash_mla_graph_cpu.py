@@ -9,25 +9,13 @@ import math
 import pytest
 import torch
 
-import mla.decode
 from mla import schedule, target
 from mla.flash_mla import MLAMetadata, _GraphRun, _Run, flash_mla_with_kvcache, get_mla_metadata
 from tl_kernels.mla_schedule import SplitScheduleConfig
 
-from test_flash_mla_cpu import LseWriter, paged_inputs
+from test_flash_mla_cpu import no_kernels, paged_inputs  # noqa: F401 - no_kernels: the autouse fixture
 
 SM90 = target.spec_for_name("sm_90a")
-
-
-@pytest.fixture(autouse=True)
-def no_kernels(monkeypatch):
-    monkeypatch.setenv("MLA_TARGET", "sm_90a")
-    recorders = {}
-    monkeypatch.setattr(mla.decode.jit, "get_launcher", lambda cfg, spec: recorders.setdefault(cfg, LseWriter(cfg.name)))
-    LseWriter.hidden = set()
-    mla.decode.clear_caches()
-    yield recorders
-    mla.decode.clear_caches()
 
 
 def launched(recorders):
