@@ -94,9 +94,27 @@ __device__ __forceinline__ void mla_e2m1x16_to_bf16(void* dst, const void* src, 
 """
 
 
-def import_cuda_source():
-    """Adds the device functions to the kernel being built (call once inside its ``T.Kernel``)."""
-    T.import_source(CUDA_SOURCE)
+# L2 prefetch of a byte range (TMA's bulk prefetch: one instruction per contiguous range, no register, no
+# scoreboard; a hint, so nothing waits on it). The range is widened to 16-byte boundaries as the instruction needs:
+# the caching allocator's 512-byte granules keep the widened range inside mapped memory.
+PREFETCH_CUDA_SOURCE = r"""
+__device__ __forceinline__ void mla_prefetch_l2(const void* src, unsigned nbytes) {
+  unsigned long long lo = (unsigned long long)src & ~15ull;
+  unsigned size = (unsigned)(((unsigned long long)src + nbytes + 15ull - lo) & ~15ull);
+  if (nbytes) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(lo), "r"(size) : "memory");
+}
+"""
+
+
+def import_cuda_source(prefetch: bool = False):
+    """Adds the device functions to the kernel being built (call once inside its ``T.Kernel``); ``prefetch`` adds
+    ``mla_prefetch_l2`` too."""
+    T.import_source(CUDA_SOURCE + (PREFETCH_CUDA_SOURCE if prefetch else ""))
+
+
+def prefetch_l2(src, nbytes):
+    """Prefetch ``nbytes`` bytes from the address of ``src`` (a global buffer element) into L2."""
+    return T.call_extern("handle", "mla_prefetch_l2", T.access_ptr(src, "r"), nbytes)
 
 
 def load_vector(dst, src, nbytes: int):

@@ -30,6 +30,7 @@ number of splits are dynamic (the split count is a kernel argument), so a new sh
 """
 
 import functools
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -66,6 +67,13 @@ class WSDecodeKernelConfig:
     page_size: int = 0  # 0: flat cache; else tokens per page (Page_table argument)
     fp8_dtype: str = "float8_e4m3fn"
     consumer_regs: int = 240  # setmaxnreg of the MMA warp group; the producers get the rest (``producer_regs``)
+    # Tiles ahead of the one being filled whose bytes the producers ask L2 to fetch (one bulk prefetch per contiguous
+    # run of rows, issued before the wait for a free stage): HBM reads in flight no longer wait on the ring or on
+    # the decoders' registers, which then load from L2. 0: no prefetch.
+    l2_prefetch: int = 0
+    # Benchmark only: producers that touch no memory (they only pass stages along), so the kernel times the MMA
+    # warp group alone. Its output is meaningless.
+    idle_producers: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -81,6 +89,8 @@ class WSDecodeKernelConfig:
             raise ValueError("the warp-specialised kernel is built for 16 query rows x 64-token tiles")
         if self.kv_format != "bf16" and self.num_stages != 2:
             raise ValueError("the decoders keep two tiles in registers: fp8 / mxfp4 need num_stages == 2")
+        if self.l2_prefetch < 0:
+            raise ValueError(f"l2_prefetch must be >= 0 (tiles ahead; 0: off), got {self.l2_prefetch}")
         producers = {f"producer_regs (group {g})": self.producer_regs for g in range(self.producer_groups)}
         steps.check_register_budgets("WSDecodeKernelConfig", {"consumer_regs": self.consumer_regs, **producers},
                                      self.threads)
@@ -130,6 +140,7 @@ class WSDecodeKernelConfig:
             f"mla_decode_ws_kv{self.kv_format}_q{self.q_format}_h{self.num_heads}_bh{self.block_h}"
             f"_bn{self.block_n}_st{self.num_stages}_r{self.consumer_regs}-{self.producer_regs}x{self.producer_groups}"
             f"{'_causal' if self.causal else ''}{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
+            f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{'_idle' if self.idle_producers else ''}"
         )
 
 
@@ -219,6 +230,46 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     # ------------------------------------------------------------------------------------------- producers
 
+    # A contiguous run of cache rows: a whole tile in a flat cache, else the largest run inside one page.
+    prefetch_run = math.gcd(cfg.page_size, block_n) if cfg.page_size else block_n
+    row_bytes = kv_cols * (2 if cfg.kv_format == "bf16" else 1)
+
+    @T.macro
+    def prefetch_tile(k, tile):
+        """L2 prefetch of tile ``tile``'s rows (and mxfp4 scale rows): producer thread p takes run p of the tile."""
+        p = k.tx - CONSUMER_THREADS
+        i = p * prefetch_run
+        if tile < k.num_tiles and p < block_n // prefetch_run:
+            tile_lo = k.split_lo + tile * block_n
+            if tile_lo + i < k.split_hi:
+                rows = T.min(prefetch_run, k.split_hi - tile_lo - i)
+                row = cache_row(k, tile_lo + i)
+                T.evaluate(dequant.prefetch_l2(k.KV[row, 0], rows * row_bytes))
+                if mxfp4:
+                    T.evaluate(dequant.prefetch_l2(k.KV_scales[row * k.scale_stride], rows * k.scale_stride))
+
+    @T.macro
+    def prefetch_ahead(k, tile):
+        """Before tile ``tile`` waits for its stage: the prefetch of the tile ``l2_prefetch`` ahead."""
+        if cfg.l2_prefetch:
+            prefetch_tile(k, tile + cfg.l2_prefetch)
+
+    @T.macro
+    def prefetch_prologue(k, first):
+        """A pass's first prefetches: tiles ``first`` .. l2_prefetch - 1 (the loop then keeps l2_prefetch ahead)."""
+        for t in list(range(first, cfg.l2_prefetch)):
+            prefetch_tile(k, t)
+
+    @T.macro
+    def pass_tiles(k):
+        """Benchmark only (``idle_producers``): stages passed along untouched, so only the MMA warp group works."""
+        T.set_max_nreg(cfg.producer_regs, 0)
+        for q_pass in T.serial(k.num_passes):
+            for rnd in T.serial(k.rounds):
+                for s in list(range(stages)):
+                    T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
+                    T.barrier_arrive(k.ready[s])
+
     @T.macro
     def copy_tiles(k):
         """bf16: each tile's rows, 16-byte cp.async chunks (consecutive threads on consecutive chunks of a row),
@@ -226,10 +277,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         T.set_max_nreg(cfg.producer_regs, 0)
         p = k.tx - CONSUMER_THREADS
         for q_pass in T.serial(k.num_passes):
+            prefetch_prologue(k, 0)
             for rnd in T.serial(k.rounds):
                 for s in list(range(stages)):  # static: the stage picks named buffers
                     tile = rnd * stages + s
                     tile_lo = k.split_lo + tile * block_n
+                    prefetch_ahead(k, tile)
                     T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
                     if tile < k.num_tiles:
                         for dst, col0, cols in ((k.Ring_lat[s], 0, KV_LORA_RANK), (k.Ring_rope[s], KV_LORA_RANK, ROPE_DIM)):
@@ -293,10 +346,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             for first in list(range(stages)):
                 if first < k.num_tiles:
                     fetch_tile(k, first, k.split_lo + first * block_n)
+            prefetch_prologue(k, stages)  # tiles 0 .. stages - 1 are already on their way into registers
             for rnd in T.serial(k.rounds):
                 for s in list(range(stages)):  # static: stage s and register buffer s hold tiles t = s (mod 2)
                     tile = rnd * stages + s
                     tile_lo = k.split_lo + tile * block_n
+                    prefetch_ahead(k, tile)
                     T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
                     if tile < k.num_tiles:
                         if tile + stages < k.num_tiles:
@@ -308,7 +363,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     @T.macro
     def produce(k):
-        if decodes:
+        if cfg.idle_producers:
+            pass_tiles(k)
+        elif decodes:
             decode_tiles(k)
         else:
             copy_tiles(k)
@@ -480,7 +537,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
              num_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
-            dequant.import_cuda_source()
+            dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0)
             k = SimpleNamespace(Q=Q, KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Q_scale=Q_scale,
                                 KV_scale=KV_scale, Page_table=Page_table, sm_scale=sm_scale, O_partial=O_partial,
                                 LSE_partial=LSE_partial, Semaphores=Semaphores, Out=Out, LSE=LSE, hg=hg)
@@ -583,7 +640,7 @@ def _stream_prim_func(cfg, mode, cta_state, producer_registers, produce, kv_dtyp
         Out: T.Tensor([out_rows, QK_DIM], bf16),
     ):
         with T.Kernel(indptr_len - 1, threads=cfg.threads) as seq_id:
-            dequant.import_cuda_source()
+            dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0)
             k = SimpleNamespace(KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Page_table=None)
             cta_state(k, 0, seq_id, kv_indptr, 1)
             # The decode kernel's wgmma gives the ring its 128-byte swizzle; here nothing infers it: state it.

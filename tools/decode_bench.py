@@ -18,6 +18,7 @@ cache, bit for bit, over ragged per-CTA lengths and the whole e8m0 range.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -32,26 +33,26 @@ from tl_kernels.mla_decode_ws import WSDecodeKernelConfig, mla_decode_stream_ker
 BYTES_PER_TOKEN = {"bf16": 1152, "fp8": 576, "mxfp4": 306}
 
 
-def stream_kernel(kv_format: str, mode: str, spec=None):
+def stream_kernel(kv_format: str, mode: str, spec=None, l2_prefetch: int = 0):
     import tilelang
 
     spec = spec or spec_for_device(torch.device("cuda"))
-    cfg = WSDecodeKernelConfig(kv_format=kv_format, fp8_dtype=spec.fp8_tl_dtype)
+    cfg = WSDecodeKernelConfig(kv_format=kv_format, fp8_dtype=spec.fp8_tl_dtype, l2_prefetch=l2_prefetch)
     return tilelang.compile(mla_decode_stream_kernel(cfg, mode), target=spec.target_dict)
 
 
 def _build(job):
-    stream_kernel(*job, spec_for_name("sm_90a"))
+    stream_kernel(job[0], job[1], spec_for_name("sm_90a"), job[2])
     return job
 
 
-def prebuild(kv_formats):
+def prebuild(kv_formats, prefetches=(0,)):
     import concurrent.futures
     import multiprocessing
 
-    jobs = [(f, mode) for f in kv_formats for mode in ("check", "bench")]
+    jobs = [(f, mode, pf) for f in kv_formats for pf in prefetches for mode in ("check", "bench")]
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=ctx) as pool:
+    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1), mp_context=ctx) as pool:
         for job in pool.map(_build, jobs):
             print("built", *job, flush=True)
 
@@ -77,8 +78,8 @@ def make_cache(kv_format: str, tokens: int, seed: int = 0):
     return packed, padded.view(-1), 24, expected
 
 
-def check(kv_format: str) -> bool:
-    kernel = stream_kernel(kv_format, "check")
+def check(kv_format: str, l2_prefetch: int = 0) -> bool:
+    kernel = stream_kernel(kv_format, "check", l2_prefetch=l2_prefetch)
     lengths = [0, 1, 63, 64, 65, 127, 128, 129, 1000, 4096, 7]
     indptr = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     kv, scales, stride, expected = make_cache(kv_format, int(indptr[-1]), seed=1)
@@ -87,7 +88,7 @@ def check(kv_format: str) -> bool:
     torch.cuda.synchronize()
     same = (out.view(torch.int16) == expected.view(torch.int16)) | (out.isnan() & expected.isnan())
     bad = (~same).sum().item()
-    print(f"check {kv_format:5s}: {out.numel()} values, {bad} differ from mla.formats' decode "
+    print(f"check {kv_format:5s} pf{l2_prefetch}: {out.numel()} values, {bad} differ from mla.formats' decode "
           f"{'(OK)' if bad == 0 else '(FAIL)'}")
     if bad:
         idx = (~same).nonzero()[:5].tolist()
@@ -96,8 +97,9 @@ def check(kv_format: str) -> bool:
     return bad == 0
 
 
-def bench(kv_format: str, tokens: int, reps: int, ceiling: float | None, once: bool = False) -> dict:
-    kernel = stream_kernel(kv_format, "bench")
+def bench(kv_format: str, tokens: int, reps: int, ceiling: float | None, once: bool = False,
+          l2_prefetch: int = 0) -> dict:
+    kernel = stream_kernel(kv_format, "bench", l2_prefetch=l2_prefetch)
     ctas = torch.cuda.get_device_properties(0).multi_processor_count
     kv, scales, stride, _ = make_cache(kv_format, tokens)
     indptr = torch.linspace(0, tokens, ctas + 1, device="cuda").round().to(torch.int32)
@@ -110,9 +112,9 @@ def bench(kv_format: str, tokens: int, reps: int, ceiling: float | None, once: b
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     t = statistics.median(time_call_us(run, reps=reps, warmup=1, flush=flush))
     gbps = tokens * BYTES_PER_TOKEN[kv_format] / t / 1e3
-    row = dict(format=kv_format, tokens=tokens, time_us=t, gbps=gbps,
+    row = dict(format=kv_format, l2_prefetch=l2_prefetch, tokens=tokens, time_us=t, gbps=gbps,
                pct_ceiling=100 * gbps / ceiling if ceiling else None)
-    print(f"stream {kv_format:5s} {tokens} tokens: {t:8.1f} us  {gbps:6.0f} GB/s"
+    print(f"stream {kv_format:5s} pf{l2_prefetch} {tokens} tokens: {t:8.1f} us  {gbps:6.0f} GB/s"
           + (f"  {row['pct_ceiling']:5.1f}% of the read ceiling" if ceiling else ""))
     return row
 
@@ -124,20 +126,27 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--once", metavar="FORMAT", help="one launch of FORMAT's stream kernel (an ncu target)")
     ap.add_argument("--prebuild", action="store_true", help="only compile the kernels (in parallel processes)")
+    ap.add_argument("--prefetch", default="0", help="L2 prefetch distances to time, tiles ahead (0: none), e.g. 0,3,4")
+    ap.add_argument("--json", help="write the timed rows here")
     args = ap.parse_args()
+    prefetches = [int(x) for x in args.prefetch.split(",")]
     if args.prebuild or not torch.cuda.is_available():
         print("decode_bench: compiling the stream kernels for sm_90a (into TILELANG_CACHE_DIR)"
               + ("" if torch.cuda.is_available() else "; no CUDA device: nothing runs"))
-        prebuild(args.formats.split(","))
+        prebuild(args.formats.split(","), prefetches)
         return 0
     if args.once:
-        bench(args.once, args.tokens, 1, None, once=True)
+        bench(args.once, args.tokens, 1, None, once=True, l2_prefetch=prefetches[0])
         return 0
-    ok = all([check(f) for f in args.formats.split(",")])
+    ok = all([check(f, pf) for f in args.formats.split(",") for pf in prefetches])
     ceiling = measure_read_ceiling("cuda")["gbps"]
     print(f"read ceiling (bench.py's torch.sum): {ceiling:.0f} GB/s")
-    for f in args.formats.split(","):
-        bench(f, args.tokens, args.reps, ceiling)
+    rows = [bench(f, args.tokens, args.reps, ceiling, l2_prefetch=pf) for f in args.formats.split(",") for pf in prefetches]
+    if args.json:
+        import json
+
+        with open(args.json, "w") as fh:
+            json.dump(dict(read_ceiling_gbps=ceiling, rows=rows, checks_ok=ok), fh, indent=1)
     return 0 if ok else 1
 
 

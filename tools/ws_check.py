@@ -32,7 +32,16 @@ OLD_FAMILY = {"block_n": 64}  # any override of the old family's fields selects 
 VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: their decoders hold two tiles)
     "st2": dict(num_stages=2),
     "st3": dict(num_stages=3),
+    # issue 28: the L2 prefetch of the tile 2 / 3 / 4 / 6 ahead
+    "pf2": dict(l2_prefetch=2),
+    "pf3": dict(l2_prefetch=3),
+    "pf4": dict(l2_prefetch=4),
+    "pf6": dict(l2_prefetch=6),
+    # the MMA warp group alone (producers touch no memory): timing only, never checked
+    "idle": dict(idle_producers=True),
 }
+TIMING_ONLY = {"idle"}
+DEFAULT_VARIANTS = "st2,st3"
 
 
 def ws_config(spec, mode: str, *, causal=False, **overrides) -> WSDecodeKernelConfig:
@@ -40,9 +49,12 @@ def ws_config(spec, mode: str, *, causal=False, **overrides) -> WSDecodeKernelCo
     return schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, causal=causal, **overrides)
 
 
-def variants_for(mode: str):
+def variants_for(mode: str, names: str = DEFAULT_VARIANTS, check: bool = False):
     out = []
-    for name, ov in VARIANTS.items():
+    for name in names.split(","):
+        ov = VARIANTS[name]
+        if check and name in TIMING_ONLY:
+            continue
         try:
             cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], **ov)
         except ValueError:  # e.g. three stages for a decoded format
@@ -82,9 +94,9 @@ def check(spec, args) -> list[dict]:
                 t[-7:] = torch.tensor(float("nan")).to(t.dtype)
             else:
                 t[-7:] = 0xFF
-        for mode in MODES:
+        for mode in args.modes.split(","):
             ref_out, ref_lse = reference.harness_reference(data, mode, causal=causal)
-            for name, ov in variants_for(mode):
+            for name, ov in variants_for(mode, args.variants, check=True):
                 for splits in (1, 2, 5, 16):
                     out = torch.full((data[0].shape[0], 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
                     lse = torch.full((data[0].shape[0], 16), float("nan"), dtype=torch.float32, device="cuda")
@@ -130,14 +142,14 @@ def bytes_per_token(mode):
 def timing(spec, args) -> list[dict]:
     rows = []
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device="cuda")
-    for batch, kv_len in SHAPES:
+    for batch, kv_len in parse_shapes(args.shapes):
         data = make_harness_inputs(batch, kv_len, seed=1)
-        for mode in MODES:
+        for mode in args.modes.split(","):
             ref_bytes = batch * kv_len * bytes_per_token(mode)
             t_old = time_us(lambda: run_old(data, mode), flush, args.reps)
             line = [f"{batch:3d}x{kv_len:5d} {mode:5s} old {t_old:8.1f}"]
             rows.append(dict(kind="time", batch=batch, kv_len=kv_len, mode=mode, impl="old", time_us=t_old))
-            for name, ov in variants_for(mode):
+            for name, ov in variants_for(mode, args.variants):
                 best = None
                 for splits in split_candidates(batch, kv_len):
                     t = time_us(lambda: run_ws(ov, data, mode, splits), flush, args.reps)
@@ -152,14 +164,18 @@ def timing(spec, args) -> list[dict]:
     return rows
 
 
-def prebuild(spec):
+def parse_shapes(text: str):
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
+
+
+def prebuild(spec, args):
     t0 = time.time()
-    for mode in MODES:
-        for name, ov in variants_for(mode):
-            for causal in (False, True):
+    for mode in args.modes.split(","):
+        for name, ov in variants_for(mode, args.variants):
+            for causal in ((False, True) if args.check else (False,)):
                 jit.get_kernel(ws_config(spec, mode, causal=causal, **ov), spec)
         # the current op's kernels for the timed shapes
-        for batch, kv_len in SHAPES:
+        for batch, kv_len in parse_shapes(args.shapes):
             kv_format, q_format = MODES[mode]
             kq = "fp8" if q_format == "fp8" else "bf16"
             dec, comb, n = schedule.select_kernels(spec, kv_format=kv_format, q_format=kq, num_heads=16, causal=False,
@@ -179,9 +195,12 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--shapes", default=",".join(f"{b}x{n}" for b, n in SHAPES), help="timed shapes, e.g. 64x8192")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {', '.join(VARIANTS)}")
     args = ap.parse_args()
     if args.prebuild:
-        prebuild(spec_for_name("sm_90a"))
+        prebuild(spec_for_name("sm_90a"), args)
         return
     spec = None
     rows = []
