@@ -192,6 +192,10 @@ def compute_hashes(targets=TARGETS, *, only="all", match="", jobs=None, dump=Non
     # one variant (the warp-specialised mxfp4 causal paged kernel) lowered after others in the same worker gets
     # other shared-memory offsets than alone (seen in two full runs). Children fork from a server that has
     # imported TileLang already, so a fresh process costs ~0.1 s, not the ~3 s of an import.
+    # One hash seed for every worker: TileLang numbers some buffers (``dst_2`` / ``dst_3``, ``workspace_*``) in the
+    # iteration order of hashed sets, so the same kernel's source differed between runs in those names alone (the
+    # warp-specialised mxfp4 causal paged kernel). The forkserver inherits this environment.
+    os.environ["PYTHONHASHSEED"] = "0"
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["tilelang", "mla.jit", "mla.schedule"])
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
