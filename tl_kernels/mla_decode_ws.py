@@ -71,6 +71,9 @@ class WSDecodeKernelConfig:
     # run of rows, issued before the wait for a free stage): HBM reads in flight no longer wait on the ring or on
     # the decoders' registers, which then load from L2. 0: no prefetch.
     l2_prefetch: int = 0
+    # The MMA warp group as a two-tile pipeline: tile t's score wgmma and tile t - 1's P V wgmma are issued together
+    # and the softmax of tile t runs while P V is in flight (it rescales the output only after P V's wait).
+    overlap: bool = False
     # Benchmark only: producers that touch no memory (they only pass stages along), so the kernel times the MMA
     # warp group alone. Its output is meaningless.
     idle_producers: bool = False
@@ -140,7 +143,8 @@ class WSDecodeKernelConfig:
             f"mla_decode_ws_kv{self.kv_format}_q{self.q_format}_h{self.num_heads}_bh{self.block_h}"
             f"_bn{self.block_n}_st{self.num_stages}_r{self.consumer_regs}-{self.producer_regs}x{self.producer_groups}"
             f"{'_causal' if self.causal else ''}{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
-            f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{'_idle' if self.idle_producers else ''}"
+            f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{'_ov' if self.overlap else ''}"
+            f"{'_idle' if self.idle_producers else ''}"
         )
 
 
@@ -395,6 +399,70 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         # O^T += V^T P^T.
         T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
+    # ---- the pipelined MMA warp group (``overlap``): the same steps, issued a tile apart
+
+    @T.macro
+    def issue_scores(k, s):
+        """S^T = K Q^T of the tile in stage ``s``: two wgmma groups (latent, rope), not waited for."""
+        T.wgmma_gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
+
+    @T.macro
+    def issue_pv(k, s):
+        """O^T += V^T P^T of the tile in stage ``s`` (P of that tile in ``P_shared``): one wgmma group, not waited."""
+        T.wgmma_gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
+
+    @T.macro
+    def probabilities(k, tile_lo, horizon, score_scale):
+        """Mask and scale the finished scores, then the softmax step up to the probabilities (not ``acc_o``)."""
+        for j, r in T.Parallel(block_n, block_m):
+            k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, k.acc_s[j, r] * score_scale, -T.infinity(f32))
+        steps.softmax_probabilities(softmax_ctx, k)
+
+    @T.macro
+    def publish_p(k):
+        """acc_o times this tile's rescale (its P V is done), then P into shared memory for the next P V wgmma."""
+        steps.rescale_output(softmax_ctx, k)
+        for r, j in T.Parallel(block_m, block_n):
+            k.P_shared[r, j] = T.cast(k.acc_s[j, r], bf16)
+        T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
+        T.sync_threads(2, CONSUMER_THREADS)
+
+    @T.macro
+    def attend_overlapped(k, q_pass, horizon, score_scale):
+        """One pass's tiles: at tile t, issue S(t) then P V(t - 1), wait for S(t) only, run the softmax of t while
+        P V(t - 1) runs, then wait for it, release its stage, rescale and publish P(t). Slots past the split's
+        tiles release their stage at once; the last tile's P V is issued after the loop."""
+        for rnd in T.serial(k.rounds):
+            for s in list(range(stages)):  # static: the stage picks named buffers
+                prev = (s + stages - 1) % stages
+                tile = rnd * stages + s
+                T.barrier_wait(k.ready[s], ring_parity(k, q_pass, rnd))
+                if tile < k.num_tiles:
+                    issue_scores(k, s)
+                    if tile > 0:
+                        issue_pv(k, prev)
+                        T.wait_wgmma(1)
+                    else:
+                        T.wait_wgmma(0)
+                    probabilities(k, k.split_lo + tile * block_n, horizon, score_scale)
+                    # Unconditional (a no-op at tile 0): ptxas must see every path wait before acc_o is read, or
+                    # it serialises every wgmma of the kernel.
+                    T.wait_wgmma(0)
+                    if tile > 0:
+                        T.barrier_arrive(k.free[prev])
+                    publish_p(k)
+                else:
+                    T.barrier_arrive(k.free[s])
+        # The last tile's P V (its stage is static per branch), waited for on every path.
+        for s in list(range(stages)):
+            if k.num_tiles > 0 and (k.num_tiles - 1) % stages == s:
+                issue_pv(k, s)
+        T.wait_wgmma(0)
+        for s in list(range(stages)):
+            if k.num_tiles > 0 and (k.num_tiles - 1) % stages == s:
+                T.barrier_arrive(k.free[s])
+
     @T.macro
     def write_pass(k, q_pass, out_scale):
         """This pass's rows. denom == 0: nothing visible, output 0 and LSE -inf."""
@@ -474,13 +542,16 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             if cfg.causal:
                 # query q_pass of q_len sees positions [0, kv_len - q_len + q_pass]
                 horizon = T.min(k.split_hi, k.kv_len - k.q_len + q_pass + 1)
-            for rnd in T.serial(k.rounds):
-                for s in list(range(stages)):  # static: the stage picks named buffers
-                    tile = rnd * stages + s
-                    T.barrier_wait(k.ready[s], ring_parity(k, q_pass, rnd))
-                    if tile < k.num_tiles:
-                        attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale)
-                    T.barrier_arrive(k.free[s])
+            if cfg.overlap:
+                attend_overlapped(k, q_pass, horizon, score_scale)
+            else:
+                for rnd in T.serial(k.rounds):
+                    for s in list(range(stages)):  # static: the stage picks named buffers
+                        tile = rnd * stages + s
+                        T.barrier_wait(k.ready[s], ring_parity(k, q_pass, rnd))
+                        if tile < k.num_tiles:
+                            attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale)
+                        T.barrier_arrive(k.free[s])
             write_pass(k, q_pass, out_scale)
         if k.num_splits > 1:
             merge_splits(k)

@@ -125,6 +125,15 @@ def online_softmax_step(c, k):
     ``c.kv_major_loops`` iterates the element-wise loops token / dim first (the order TileLang vectorizes for
     S^T / O^T fragments; the loop order changes the generated code); ``c.out_dims`` are the output dims ``k.acc_o``
     holds (512, or a warp group's half)."""
+    softmax_probabilities(c, k)
+    rescale_output(c, k)
+
+
+@T.macro
+def softmax_probabilities(c, k):
+    """The first half of ``online_softmax_step``: row maxima, rescale factors, probabilities (exp2, in place in
+    ``k.acc_s``) and the running sum; ``k.acc_o`` untouched (a kernel whose P V of the previous tile is still in
+    flight on it rescales it later, ``rescale_output``)."""
     T.copy(k.row_max, k.row_max_prev)
     T.reduce_max(k.acc_s, k.row_max, dim=c.token_axis, clear=False)
     for r in T.Parallel(c.block_m):
@@ -139,6 +148,11 @@ def online_softmax_step(c, k):
     T.reduce_sum(k.acc_s, k.row_sum, dim=c.token_axis)
     for r in T.Parallel(c.block_m):
         k.denom[r] = k.denom[r] * k.rescale[r] + k.row_sum[r]
+
+
+@T.macro
+def rescale_output(c, k):
+    """The second half of ``online_softmax_step``: the output accumulator times this tile's rescale factors."""
     if c.kv_major_loops:
         for d, r in T.Parallel(c.out_dims, c.block_m):
             k.acc_o[c.tr(r, d)] *= k.rescale[r]

@@ -37,10 +37,14 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "pf3": dict(l2_prefetch=3),
     "pf4": dict(l2_prefetch=4),
     "pf6": dict(l2_prefetch=6),
+    # the pipelined MMA warp group (score wgmma of tile t and P V of tile t - 1 in flight together)
+    "ov": dict(overlap=True),
+    "ovpf3": dict(overlap=True, l2_prefetch=3),
     # the MMA warp group alone (producers touch no memory): timing only, never checked
     "idle": dict(idle_producers=True),
+    "ovidle": dict(overlap=True, idle_producers=True),
 }
-TIMING_ONLY = {"idle"}
+TIMING_ONLY = {"idle", "ovidle"}
 DEFAULT_VARIANTS = "st2,st3"
 
 
