@@ -1,7 +1,7 @@
 """Split an ncu source-page export (per-SASS-instruction counters) of a warp-specialised kernel by role.
 
 The kernels set each role's register budget with setmaxnreg as the role's first instruction: the producers'
-``USETMAXREG.DEALLOC``, the MMA warp group's ``USETMAXREG.TRYALLOC``. Instructions are assigned, in address order,
+``USETMAXREG.DEALLOC``, the MMA warp group's ``USETMAXREG.TRY_ALLOC``. Instructions are assigned, in address order,
 to the role of the last marker before them ("common" before the first): nvcc lays each role's branch out as one
 block, so this is the role split up to a few shared tail instructions.
 
@@ -20,7 +20,7 @@ import io
 import sys
 from collections import defaultdict
 
-ROLE_MARKERS = (("USETMAXREG.DEALLOC", "producers"), ("USETMAXREG.TRYALLOC", "consumer"))
+ROLE_MARKERS = (("USETMAXREG.DEALLOC", "producers"), ("USETMAXREG.TRY_ALLOC", "consumer"))
 SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
@@ -55,7 +55,7 @@ def summarize(path: str, top: int = 12) -> str:
     header, rows = read_rows(path)
     metrics = [h for h in header if h not in ("Address", "# Address", "Source") and any(
         _number(r.get(h, "")) is not None for r in rows[:50])]
-    stall_cols = [h for h in metrics if h.lower().startswith("stall") or "stall_" in h.lower()]
+    stall_cols = [h for h in metrics if h.startswith("stall_") and "Not Issued" not in h]
     out = [f"{path}: {len(rows)} instructions; metrics: {', '.join(metrics)}"]
     roles = split_roles(rows)
     total = sum(_number(r.get(SAMPLES, "")) or 0 for r in rows) or 1
