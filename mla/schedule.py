@@ -36,12 +36,18 @@ FUSED_COMBINE_ON_CUDA = True
 # Depth of the warp-specialised kernel's 16-bit ring: two 72 KiB stages, one CTA per SM (a third stage never helped
 # bf16, docs/perf.md run 14; the fp8 / mxfp4 decoders hold exactly two tiles in registers).
 WS_STAGES = 2
-# Where the warp-specialised family is the default for the 16-row class on Hopper (docs/perf.md, run 15, H200): an
-# mxfp4 cache of at least WS_MIN_TOKENS cached tokens (2.6x faster than the 16-row kernel at 256 x 8192; slower on
-# the small shapes, where its fused merge and one CTA per SM cost more than they save). For bf16 and fp8 caches it
-# was not faster than the 16-row kernel in that run, so they keep that kernel.
-WS_FORMATS = ("mxfp4",)
-WS_MIN_TOKENS = 64 * 1024
+# Where the warp-specialised family is the default for the 16-row class on Hopper, with bf16 Q: a cache of at least
+# WS_MIN_TOKENS[format] cached tokens. mxfp4 from 64 Ki (docs/perf.md run 15, H200: 2.6x faster than the 16-row
+# kernel at 256 x 8192; slower on the small shapes, where its fused merge and one CTA per SM cost more than they
+# save); fp8 from 512 Ki, the smallest size measured (runs 24-25, H100 and H200: with the L2 prefetch below, 1.2-1.4x
+# faster than the 16-row kernel at 64 x 8192 and 256 x 8192). bf16 caches and fp8 Q (a8w8) keep the 16-row kernel.
+WS_MIN_TOKENS = {"mxfp4": 64 * 1024, "fp8": 512 * 1024}
+WS_FORMATS = tuple(WS_MIN_TOKENS)
+WS_Q_FORMATS = ("bf16",)
+# The L2 prefetch distance (tiles ahead, ``WSDecodeKernelConfig.l2_prefetch``) per cache format: fp8's decoders
+# reach 88.5% of the read ceiling with 3 (79% without; 6 evicts before use), runs 24-25; mxfp4 measured faster with
+# it on an H100 and slower on an H200, so none; bf16's cp.async copier is slowed by it.
+WS_L2_PREFETCH = {"fp8": 3}
 
 
 def decode_config(
@@ -158,9 +164,11 @@ def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int,
     )
 
 
-def ws_by_default(spec: TargetSpec, *, kv_format: str, num_heads: int, q_tile: int, total_kv: int) -> bool:
-    """Whether the op picks the warp-specialised kernel for this problem when not told (``WS_FORMATS``)."""
-    return kv_format in WS_FORMATS and total_kv >= WS_MIN_TOKENS and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
+def ws_by_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, q_tile: int,
+                  total_kv: int) -> bool:
+    """Whether the op picks the warp-specialised kernel for this problem when not told (``WS_MIN_TOKENS``)."""
+    return (kv_format in WS_FORMATS and q_format in WS_Q_FORMATS and total_kv >= WS_MIN_TOKENS[kv_format]
+            and uses_ws(spec, num_heads=num_heads, q_tile=q_tile))
 
 
 def flash_io_variant(decode_cfg):
@@ -187,7 +195,7 @@ def ws_config(
     """The warp-specialised kernel's config for a problem class; ``overrides`` replace the defaults (tuning)."""
     cfg = WSDecodeKernelConfig(
         kv_format=kv_format, q_format=q_format, num_heads=num_heads, num_stages=WS_STAGES, causal=causal,
-        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype,
+        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, l2_prefetch=WS_L2_PREFETCH.get(kv_format, 0),
     )
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.shared_bytes > spec.smem_bytes:
@@ -235,8 +243,8 @@ def select_kernels(
         return cfg, None, num_splits
     # Tuning overrides name the family's fields: the warp-specialised family's with ``ws=True``, else the
     # 32/64-row kernel's (which also serves a forced config of the 16-row class).
-    default = not overrides and ws_by_default(spec, kv_format=kv_format, num_heads=num_heads, q_tile=q_tile,
-                                              total_kv=total_kv)
+    default = not overrides and ws_by_default(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
+                                              q_tile=q_tile, total_kv=total_kv)
     ws = overrides.pop("ws", default) and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
     if ws:
         # One launch whatever the split count: the kernel merges its splits (``combine`` is None).
@@ -384,7 +392,7 @@ def rows_config(
         q_slots *= 2
     cfg = RowsDecodeKernelConfig(
         kv_format=kv_format, q_format=q_format, num_heads=num_heads, block_h=block_h, q_slots=q_slots, causal=causal,
-        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype,
+        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, l2_prefetch=WS_L2_PREFETCH.get(kv_format, 0),
     )
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.shared_bytes > spec.smem_bytes:

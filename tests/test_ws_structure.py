@@ -97,17 +97,25 @@ def test_shared_bytes_bound_the_lowered_allocation(source):
 
 
 def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
-    """The default for 16 heads x 1 query on sm_90a where it measured faster (an mxfp4 cache of >= WS_MIN_TOKENS
-    tokens, docs/perf.md run 15); the 16/32/64-row kernel elsewhere, and always on gfx942."""
+    """The default for 16 heads x 1 query with bf16 Q on sm_90a where it measured faster (an mxfp4 cache of
+    >= WS_MIN_TOKENS["mxfp4"] tokens, docs/perf.md run 15; fp8 from WS_MIN_TOKENS["fp8"], runs 24-25, with the L2
+    prefetch); the 16/32/64-row kernel elsewhere (bf16 caches, fp8 Q, smaller caches), and always on gfx942."""
     common = dict(q_format="bf16", causal=False, page_size=0)
-    big, small = schedule.WS_MIN_TOKENS, schedule.WS_MIN_TOKENS - 1
-    cfg, combine, _ = schedule.select_kernels(H200, kv_format="mxfp4", num_heads=16, batch=8, total_q=8, total_kv=big,
-                                              **common)
-    assert isinstance(cfg, WSDecodeKernelConfig) and combine is None
-    for kv_format, total_kv in (("mxfp4", small), ("fp8", big), ("bf16", big)):
+    big = max(schedule.WS_MIN_TOKENS.values())
+    for kv_format, min_tokens in schedule.WS_MIN_TOKENS.items():
+        cfg, combine, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
+                                                  total_kv=min_tokens, **common)
+        assert isinstance(cfg, WSDecodeKernelConfig) and combine is None, kv_format
+        assert cfg.l2_prefetch == schedule.WS_L2_PREFETCH.get(kv_format, 0)
         cfg, _, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
-                                            total_kv=total_kv, **common)
-        assert not isinstance(cfg, WSDecodeKernelConfig), (kv_format, total_kv)
+                                            total_kv=min_tokens - 1, **common)
+        assert not isinstance(cfg, WSDecodeKernelConfig), (kv_format, min_tokens - 1)
+    cfg, _, _ = schedule.select_kernels(H200, kv_format="bf16", num_heads=16, batch=8, total_q=8, total_kv=big,
+                                        **common)
+    assert not isinstance(cfg, WSDecodeKernelConfig), "bf16 caches keep the 16-row kernel"
+    cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=big,
+                                        **dict(common, q_format="fp8"))
+    assert not isinstance(cfg, WSDecodeKernelConfig), "fp8 Q (a8w8) keeps the 16-row kernel"
     for heads, total_q in ((32, 8), (16, 16)):  # more heads, or two queries per sequence: the 32/64-row kernel
         cfg, _, _ = schedule.select_kernels(H200, kv_format="mxfp4", num_heads=heads, batch=8, total_q=total_q,
                                             total_kv=big, **common)
