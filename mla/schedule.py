@@ -392,7 +392,7 @@ def rows_config(
         q_slots *= 2
     cfg = RowsDecodeKernelConfig(
         kv_format=kv_format, q_format=q_format, num_heads=num_heads, block_h=block_h, q_slots=q_slots, causal=causal,
-        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, l2_prefetch=WS_L2_PREFETCH.get(kv_format, 0),
+        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype,
     )
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.shared_bytes > spec.smem_bytes:
