@@ -432,7 +432,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def attend_overlapped(k, q_pass, horizon, score_scale):
         """One pass's tiles: at tile t, issue S(t) then P V(t - 1), wait for S(t) only, run the softmax of t while
         P V(t - 1) runs, then wait for it, release its stage, rescale and publish P(t). Slots past the split's
-        tiles release their stage at once; the last tile's P V is issued after the loop."""
+        tiles release their stage at once; the last tile issues and waits for its own P V."""
         for rnd in T.serial(k.rounds):
             for s in list(range(stages)):  # static: the stage picks named buffers
                 prev = (s + stages - 1) % stages
@@ -452,16 +452,15 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     if tile > 0:
                         T.barrier_arrive(k.free[prev])
                     publish_p(k)
+                    if tile + 1 == k.num_tiles:
+                        # The last tile's P V, issued and waited for in one block: a wgmma group still in flight
+                        # where two paths merge makes ptxas serialise every wgmma (C7515: the merge copies
+                        # accumulator registers).
+                        issue_pv(k, s)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(k.free[s])
                 else:
                     T.barrier_arrive(k.free[s])
-        # The last tile's P V (its stage is static per branch), waited for on every path.
-        for s in list(range(stages)):
-            if k.num_tiles > 0 and (k.num_tiles - 1) % stages == s:
-                issue_pv(k, s)
-        T.wait_wgmma(0)
-        for s in list(range(stages)):
-            if k.num_tiles > 0 and (k.num_tiles - 1) % stages == s:
-                T.barrier_arrive(k.free[s])
 
     @T.macro
     def write_pass(k, q_pass, out_scale):
