@@ -3,6 +3,7 @@
 Only running a kernel needs a GPU, so this runs in CI on the CPU box and catches TileLang/codegen breakage early.
 """
 
+import os
 import shutil
 
 import pytest
@@ -66,3 +67,33 @@ def test_fused_merge_waits_at_a_grid_barrier_under_a_cooperative_launch(cfg):
     assert "this_grid().sync()" in artifact.kernel_source
     attrs = [func.attrs for func in artifact.device_mod.functions.values() if func.attrs is not None]
     assert any(int(a.get("use_cooperative_groups", 0)) == 1 for a in attrs), "the launch would not be cooperative"
+
+
+# The warp-specialised kernel's wgmma must stay asynchronous: ptxas silently serialises every wgmma of a kernel
+# (a wait after each one) when a non-wgmma instruction reads or defines an accumulator while a group is in flight,
+# e.g. where two paths merge with a group in flight (docs/perf.md runs 25-26: 200 serialised wgmma made the
+# pipelined consumer 1.6x slower). It says so only in its verbose notes (C7514 / C7515).
+WGMMA_VARIANTS = [
+    schedule.ws_config(H200, kv_format="fp8"),  # the default (with its L2 prefetch)
+    schedule.ws_config(H200, kv_format="fp8", overlap=True),  # the pipelined MMA warp group
+]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot compile CUDA here")
+@pytest.mark.parametrize("cfg", WGMMA_VARIANTS, ids=[cfg.name for cfg in WGMMA_VARIANTS])
+def test_ptxas_keeps_the_wgmma_asynchronous(cfg, tmp_path):
+    import subprocess
+
+    import tilelang
+
+    tl_dir = os.path.dirname(tilelang.__file__)
+    cu = tmp_path / "kernel.cu"
+    cu.write_text(jit.lower(cfg, H200).kernel_source)
+    # TileLang's own nvcc flags for sm_90a (tilelang's CUDA backend), plus ptxas' notes.
+    result = subprocess.run(
+        ["nvcc", "--cubin", "-O3", "-arch=sm_90a", "-std=c++20", f"-I{tl_dir}/src",
+         f"-I{tl_dir}/3rdparty/cutlass/include", "--ptxas-options=--verbose", "-o", str(tmp_path / "kernel.cubin"),
+         str(cu)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    notes = [line for line in (result.stdout + result.stderr).splitlines() if "C7514" in line or "C7515" in line]
+    assert not notes, f"{cfg.name}: ptxas serialises the wgmma: {notes}"

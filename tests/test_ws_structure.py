@@ -148,3 +148,28 @@ def test_split_count_fills_the_machine_without_empty_tiles(batch, kv_len):
     assert 1 <= splits <= min(tiles, schedule.MAX_SPLITS)
     if batch * tiles >= 4 * H200.num_sms:  # plenty of tiles: at least 90% of the SMs get a CTA
         assert batch * splits >= 0.9 * H200.num_sms or splits == tiles
+
+
+def test_measurement_fields_name_their_variants_and_are_checked():
+    """The L2 prefetch, the pipelined consumer and the idle producers each change the generated code, so each has
+    its own kernel name (the cache key); a negative prefetch distance is refused."""
+    base = WSDecodeKernelConfig(kv_format="fp8")
+    names = {base.name}
+    for fields in (dict(l2_prefetch=3), dict(overlap=True), dict(idle_producers=True),
+                   dict(overlap=True, idle_producers=True)):
+        names.add(WSDecodeKernelConfig(kv_format="fp8", **fields).name)
+    assert len(names) == 5
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        WSDecodeKernelConfig(kv_format="fp8", l2_prefetch=-1)
+
+
+def test_l2_prefetch_is_one_bulk_prefetch_per_run_of_rows():
+    """fp8 with the prefetch: the producers issue TMA bulk L2 prefetches (no register, no scoreboard) of whole tiles
+    (a flat cache) or page runs; a kernel without it has none."""
+    with_pf = jit.lower(schedule.ws_config(H200, kv_format="fp8"), H200).kernel_source
+    assert schedule.ws_config(H200, kv_format="fp8").l2_prefetch == schedule.WS_L2_PREFETCH["fp8"] > 0
+    assert "cp.async.bulk.prefetch.L2.global" in with_pf
+    calls = [line for line in producer_code(with_pf).splitlines() if "mla_prefetch_l2(" in line]
+    assert calls, "no prefetch issued by the producers"
+    without = jit.lower(schedule.ws_config(H200, kv_format="mxfp4"), H200).kernel_source
+    assert "mla_prefetch_l2" not in without
