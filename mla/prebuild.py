@@ -77,9 +77,12 @@ def class_variants(spec: TargetSpec, *, mode: str, num_heads: int, q_tile: int =
     kv_format, mode_q_format = MODES[mode]
     q_format = q_format or mode_q_format
     configs = []
-    default_ws = ws_formats is schedule.WS_FORMATS  # as the op picks it: bf16 Q only (schedule.WS_Q_FORMATS)
-    if (kv_format in ws_formats and (not default_ws or q_format in schedule.WS_Q_FORMATS)
-            and schedule.uses_ws(spec, num_heads=num_heads, q_tile=q_tile)):
+    if ws_formats is schedule.WS_FORMATS:  # as the op's default picks it (bf16 Q; paged only for some formats)
+        ws = schedule.ws_class_default(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
+                                       q_tile=q_tile, page_size=page_size)
+    else:  # tests that force the family
+        ws = kv_format in ws_formats and schedule.uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
+    if ws:
         configs.append(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
                                           causal=causal, page_size=page_size))
     variants = schedule.decode_variants(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,

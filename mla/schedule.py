@@ -44,6 +44,9 @@ WS_STAGES = 2
 WS_MIN_TOKENS = {"mxfp4": 64 * 1024, "fp8": 512 * 1024}
 WS_FORMATS = tuple(WS_MIN_TOKENS)
 WS_Q_FORMATS = ("bf16",)
+# Formats whose default also covers paged caches: fp8's was measured on flat caches only (runs 24-26), so a paged fp8
+# cache keeps the 16-row kernel until the paged warp-specialised kernel is timed.
+WS_PAGED_FORMATS = ("mxfp4",)
 # The L2 prefetch distance (tiles ahead, ``WSDecodeKernelConfig.l2_prefetch``) per cache format: fp8's decoders
 # reach 88.5% of the read ceiling with 3 (79% without; 6 evicts before use), runs 24-25; mxfp4 measured faster with
 # it on an H100 and slower on an H200, so none; bf16's cp.async copier is slowed by it.
@@ -164,11 +167,19 @@ def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int,
     )
 
 
-def ws_by_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, q_tile: int,
+def ws_class_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, q_tile: int,
+                     page_size: int) -> bool:
+    """Whether the op's default may pick the warp-specialised kernel for this problem class (large enough caches:
+    ``ws_by_default``)."""
+    return (kv_format in WS_FORMATS and q_format in WS_Q_FORMATS and (page_size == 0 or kv_format in WS_PAGED_FORMATS)
+            and uses_ws(spec, num_heads=num_heads, q_tile=q_tile))
+
+
+def ws_by_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, q_tile: int, page_size: int,
                   total_kv: int) -> bool:
     """Whether the op picks the warp-specialised kernel for this problem when not told (``WS_MIN_TOKENS``)."""
-    return (kv_format in WS_FORMATS and q_format in WS_Q_FORMATS and total_kv >= WS_MIN_TOKENS[kv_format]
-            and uses_ws(spec, num_heads=num_heads, q_tile=q_tile))
+    return (ws_class_default(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile,
+                             page_size=page_size) and total_kv >= WS_MIN_TOKENS[kv_format])
 
 
 def flash_io_variant(decode_cfg):
@@ -244,7 +255,7 @@ def select_kernels(
     # Tuning overrides name the family's fields: the warp-specialised family's with ``ws=True``, else the
     # 32/64-row kernel's (which also serves a forced config of the 16-row class).
     default = not overrides and ws_by_default(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
-                                              q_tile=q_tile, total_kv=total_kv)
+                                              q_tile=q_tile, page_size=page_size, total_kv=total_kv)
     ws = overrides.pop("ws", default) and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
     if ws:
         # One launch whatever the split count: the kernel merges its splits (``combine`` is None).

@@ -45,11 +45,10 @@ def listed(capsys, *argv):
 def test_fp8_page64_heads16_is_what_the_issue_names():
     """The issue's example class: the split, direct and fused-merge decode kernels, the combine kernel,
     mla.flash_mla's FlashMLA-shaped one-launch kernel and its graph form (split kernel reading each sequence's
-    split count, the combine's flash form, the split schedule), and the warp-specialised kernel with its L2
-    prefetch (fp8 caches of >= WS_MIN_TOKENS["fp8"] tokens take it)."""
+    split count, the combine's flash form, the split schedule); no warp-specialised kernel (fp8's default takes it
+    for flat caches only: schedule.WS_PAGED_FORMATS)."""
     got = names(prebuild.call_variants(H200, modes=["fp8"], page_sizes=[64], heads=[16]))
     assert got == [
-        "mla_decode_ws_kvfp8_qbf16_h16_bh16_bn64_st2_r240-128x2_page64_fn_pf3",
         "mla_decode_split_kvfp8_qbf16_h16_bh16_qt1_bn64_st1_t128_g1_page64_fn",
         "mla_decode_direct_kvfp8_qbf16_h16_bh16_qt1_bn64_st1_t128_g1_page64_fn",
         "mla_combine_h16_t128",
@@ -59,7 +58,7 @@ def test_fp8_page64_heads16_is_what_the_issue_names():
         "mla_combine_h16_t128_flash",
         "mla_split_schedule_t256_c64",
     ]
-    assert "fp8" in schedule.WS_FORMATS
+    assert "fp8" in schedule.WS_FORMATS and "fp8" not in schedule.WS_PAGED_FORMATS
 
 
 def test_flat_cache_default_class_matches_kernel_variants():
@@ -177,8 +176,8 @@ def test_gfx942_has_no_cuda_only_forms():
 def test_list_prints_names_only(capsys):
     lines = listed(capsys, "--modes", "fp8", "--page-size", "64", "--heads", "16,128")
     assert lines == names(prebuild.call_variants(H200, modes=["fp8"], page_sizes=[64], heads=[16, 128]))
-    assert len(lines) == 16  # per head count: split, direct, combine, fused, its flash form; graph form (3, the
-    # schedule once); the warp-specialised kernel for 16 heads
+    assert len(lines) == 15  # per head count: split, direct, combine, fused, its flash form; graph form (3, the
+    # schedule once)
 
 
 def test_list_defaults_and_only(capsys):

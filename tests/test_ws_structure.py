@@ -116,6 +116,10 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
     cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=big,
                                         **dict(common, q_format="fp8"))
     assert not isinstance(cfg, WSDecodeKernelConfig), "fp8 Q (a8w8) keeps the 16-row kernel"
+    for kv_format in schedule.WS_FORMATS:  # paged caches: only the formats measured paged
+        cfg, _, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
+                                            total_kv=big, **dict(common, page_size=64))
+        assert isinstance(cfg, WSDecodeKernelConfig) == (kv_format in schedule.WS_PAGED_FORMATS), kv_format
     for heads, total_q in ((32, 8), (16, 16)):  # more heads, or two queries per sequence: the 32/64-row kernel
         cfg, _, _ = schedule.select_kernels(H200, kv_format="mxfp4", num_heads=heads, batch=8, total_q=total_q,
                                             total_kv=big, **common)
