@@ -66,22 +66,22 @@ class BuildResult(NamedTuple):
 
 def class_variants(spec: TargetSpec, *, mode: str, num_heads: int, q_tile: int = 1, causal: bool = False,
                    page_size: int = 0, flash_mla: bool = False, q_format: str | None = None,
-                   ws_formats: tuple = schedule.WS_FORMATS) -> list:
+                   force_ws: bool = False) -> list:
     """The kernels the op may launch for one problem class (``mode``: a key of ``mla.constants.MODES``;
     ``q_format`` overrides its Q precision, e.g. "fp8_codes"): ``schedule.decode_variants``, the warp-specialised
-    kernel where ``schedule.uses_ws`` and the cache format is in ``ws_formats`` (the op's default picks it for
-    ``schedule.WS_FORMATS``; tests that force it pass every format), and with ``flash_mla`` the FlashMLA-shaped form
+    kernel where the op's default may pick it (``schedule.ws_class_default``; ``force_ws``: wherever
+    ``schedule.uses_ws``, as tests that force the family need), and with ``flash_mla`` the FlashMLA-shaped form
     of each (``schedule.flash_io_variant``; None for most) and its graph form (``schedule.graph_config``, the
     combine's flash form and the split schedule: what ``mla.flash_mla`` launches under CUDA-graph capture and for
     metadata made from lengths; CUDA only)."""
     kv_format, mode_q_format = MODES[mode]
     q_format = q_format or mode_q_format
     configs = []
-    if ws_formats is schedule.WS_FORMATS:  # as the op's default picks it (bf16 Q; paged only for some formats)
+    if force_ws:
+        ws = schedule.uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
+    else:
         ws = schedule.ws_class_default(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
                                        q_tile=q_tile, page_size=page_size)
-    else:  # tests that force the family
-        ws = kv_format in ws_formats and schedule.uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
     if ws:
         configs.append(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
                                           causal=causal, page_size=page_size))

@@ -214,11 +214,10 @@ def kernel_configs(spec, classes):
     each, ``schedule.flash_io_variant``)."""
     from mla import prebuild as mla_prebuild
 
-    every_format = tuple(dict.fromkeys(kv for kv, _ in MODE_FORMATS.values()))
     configs = []
     for mode, heads, q_tile, causal, page_size, flash in sorted(set(classes)):
         configs += mla_prebuild.class_variants(spec, mode=mode, num_heads=heads, q_tile=q_tile, causal=causal,
-                                               page_size=page_size, flash_mla=bool(flash), ws_formats=every_format)
+                                               page_size=page_size, flash_mla=bool(flash), force_ws=True)
     return mla_prebuild.unique(configs)
 
 

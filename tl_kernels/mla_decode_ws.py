@@ -236,7 +236,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     # A contiguous run of cache rows: a whole tile in a flat cache, else the largest run inside one page.
     prefetch_run = math.gcd(cfg.page_size, block_n) if cfg.page_size else block_n
-    row_bytes = kv_cols * (2 if cfg.kv_format == "bf16" else 1)
+    row_bytes = kv_cols * (2 if kv_dtype == "bfloat16" else 1)  # a stored row: bf16, fp8 codes or mxfp4 pairs
 
     @T.macro
     def prefetch_tile(k, tile):
@@ -385,17 +385,27 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.Q_rope[r, d] = q_value(k, q_scale, q_pass, k.hg * block_h + r, KV_LORA_RANK + d)
 
     @T.macro
+    def mask_scores(k, tile_lo, horizon, score_scale):
+        """The finished scores times the score scale; -inf past the horizon (split end, causal)."""
+        for j, r in T.Parallel(block_n, block_m):
+            k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, k.acc_s[j, r] * score_scale, -T.infinity(f32))
+
+    @T.macro
+    def store_p(k):
+        """The probabilities as bf16 into shared memory, P V's B operand."""
+        for r, j in T.Parallel(block_m, block_n):
+            k.P_shared[r, j] = T.cast(k.acc_s[j, r], bf16)
+
+    @T.macro
     def attend_tile(k, s, tile_lo, horizon, score_scale):
         """Scores, online-softmax step and P V for the tile in stage ``s``."""
         # S^T = K Q^T over 512 latent + 64 rope dims.
         T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
         T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
-        for j, r in T.Parallel(block_n, block_m):
-            k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, k.acc_s[j, r] * score_scale, -T.infinity(f32))
+        mask_scores(k, tile_lo, horizon, score_scale)
         # Online softmax in base 2 (S^T and O^T: the KV tile is the wgmma M dimension).
         steps.online_softmax_step(softmax_ctx, k)
-        for r, j in T.Parallel(block_m, block_n):
-            k.P_shared[r, j] = T.cast(k.acc_s[j, r], bf16)
+        store_p(k)
         # O^T += V^T P^T.
         T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
@@ -415,16 +425,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     @T.macro
     def probabilities(k, tile_lo, horizon, score_scale):
         """Mask and scale the finished scores, then the softmax step up to the probabilities (not ``acc_o``)."""
-        for j, r in T.Parallel(block_n, block_m):
-            k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, k.acc_s[j, r] * score_scale, -T.infinity(f32))
+        mask_scores(k, tile_lo, horizon, score_scale)
         steps.softmax_probabilities(softmax_ctx, k)
 
     @T.macro
     def publish_p(k):
         """acc_o times this tile's rescale (its P V is done), then P into shared memory for the next P V wgmma."""
         steps.rescale_output(softmax_ctx, k)
-        for r, j in T.Parallel(block_m, block_n):
-            k.P_shared[r, j] = T.cast(k.acc_s[j, r], bf16)
+        store_p(k)
         T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
         T.sync_threads(2, CONSUMER_THREADS)
 
