@@ -36,21 +36,31 @@ FUSED_COMBINE_ON_CUDA = True
 # Depth of the warp-specialised kernel's 16-bit ring: two 72 KiB stages, one CTA per SM (a third stage never helped
 # bf16, docs/perf.md run 14; the fp8 / mxfp4 decoders hold exactly two tiles in registers).
 WS_STAGES = 2
-# Where the warp-specialised family is the default for the 16-row class on Hopper, with bf16 Q: a cache of at least
-# WS_MIN_TOKENS[format] cached tokens. mxfp4 from 64 Ki (docs/perf.md run 15, H200: 2.6x faster than the 16-row
-# kernel at 256 x 8192; slower on the small shapes, where its fused merge and one CTA per SM cost more than they
-# save); fp8 from 512 Ki, the smallest size measured (runs 24-25, H100 and H200: with the L2 prefetch below, 1.2-1.4x
-# faster than the 16-row kernel at 64 x 8192 and 256 x 8192). bf16 caches and fp8 Q (a8w8) keep the 16-row kernel.
-WS_MIN_TOKENS = {"mxfp4": 64 * 1024, "fp8": 512 * 1024}
-WS_FORMATS = tuple(WS_MIN_TOKENS)
+
+
+@dataclasses.dataclass(frozen=True)
+class WSDefault:
+    """Where and how the op's default runs the warp-specialised kernel for one cache format (16-row class on
+    Hopper, bf16 Q: ``WS_Q_FORMATS``)."""
+
+    min_tokens: int  # cached tokens from which the default picks it
+    paged: bool  # also for paged caches (else flat caches only)
+    l2_prefetch: int  # ``WSDecodeKernelConfig.l2_prefetch``: tiles ahead the producers ask L2 for (0: none)
+
+
+# mxfp4 from 64 Ki tokens, flat and paged (docs/perf.md run 15, H200: 2.6x faster than the 16-row kernel at
+# 256 x 8192; slower on the small shapes, where its fused merge and one CTA per SM cost more than they save); no
+# prefetch (faster with it on an H100, slower on an H200, runs 24-25). fp8 from 512 Ki, the smallest size measured,
+# flat only (runs 24-26, H100 and H200: 1.2-1.4x faster than the 16-row kernel at 64 x 8192 and 256 x 8192; the
+# paged warp-specialised kernel is not timed for fp8), prefetching 3 tiles ahead (its decoders: 88.5% of the read
+# ceiling with 3, 79% without, 6 evicts before use). bf16 caches (whose cp.async copier the prefetch slows) and fp8 Q
+# (a8w8) keep the 16-row kernel.
+WS_DEFAULTS = {
+    "mxfp4": WSDefault(min_tokens=64 * 1024, paged=True, l2_prefetch=0),
+    "fp8": WSDefault(min_tokens=512 * 1024, paged=False, l2_prefetch=3),
+}
+WS_FORMATS = tuple(WS_DEFAULTS)
 WS_Q_FORMATS = ("bf16",)
-# Formats whose default also covers paged caches: fp8's was measured on flat caches only (runs 24-26), so a paged fp8
-# cache keeps the 16-row kernel until the paged warp-specialised kernel is timed.
-WS_PAGED_FORMATS = ("mxfp4",)
-# The L2 prefetch distance (tiles ahead, ``WSDecodeKernelConfig.l2_prefetch``) per cache format: fp8's decoders
-# reach 88.5% of the read ceiling with 3 (79% without; 6 evicts before use), runs 24-25; mxfp4 measured faster with
-# it on an H100 and slower on an H200, so none; bf16's cp.async copier is slowed by it.
-WS_L2_PREFETCH = {"fp8": 3}
 
 
 def decode_config(
@@ -171,15 +181,16 @@ def ws_class_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_hea
                      page_size: int) -> bool:
     """Whether the op's default may pick the warp-specialised kernel for this problem class (large enough caches:
     ``ws_by_default``)."""
-    return (kv_format in WS_FORMATS and q_format in WS_Q_FORMATS and (page_size == 0 or kv_format in WS_PAGED_FORMATS)
+    default = WS_DEFAULTS.get(kv_format)
+    return (default is not None and q_format in WS_Q_FORMATS and (page_size == 0 or default.paged)
             and uses_ws(spec, num_heads=num_heads, q_tile=q_tile))
 
 
 def ws_by_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, q_tile: int, page_size: int,
                   total_kv: int) -> bool:
-    """Whether the op picks the warp-specialised kernel for this problem when not told (``WS_MIN_TOKENS``)."""
+    """Whether the op picks the warp-specialised kernel for this problem when not told (``WS_DEFAULTS``)."""
     return (ws_class_default(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile,
-                             page_size=page_size) and total_kv >= WS_MIN_TOKENS[kv_format])
+                             page_size=page_size) and total_kv >= WS_DEFAULTS[kv_format].min_tokens)
 
 
 def flash_io_variant(decode_cfg):
@@ -206,7 +217,7 @@ def ws_config(
     """The warp-specialised kernel's config for a problem class; ``overrides`` replace the defaults (tuning)."""
     cfg = WSDecodeKernelConfig(
         kv_format=kv_format, q_format=q_format, num_heads=num_heads, num_stages=WS_STAGES, causal=causal,
-        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, l2_prefetch=WS_L2_PREFETCH.get(kv_format, 0),
+        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, l2_prefetch=WS_DEFAULTS[kv_format].l2_prefetch if kv_format in WS_DEFAULTS else 0,
     )
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.shared_bytes > spec.smem_bytes:

@@ -46,7 +46,7 @@ def test_fp8_page64_heads16_is_what_the_issue_names():
     """The issue's example class: the split, direct and fused-merge decode kernels, the combine kernel,
     mla.flash_mla's FlashMLA-shaped one-launch kernel and its graph form (split kernel reading each sequence's
     split count, the combine's flash form, the split schedule); no warp-specialised kernel (fp8's default takes it
-    for flat caches only: schedule.WS_PAGED_FORMATS)."""
+    for flat caches only: schedule.WS_DEFAULTS)."""
     got = names(prebuild.call_variants(H200, modes=["fp8"], page_sizes=[64], heads=[16]))
     assert got == [
         "mla_decode_split_kvfp8_qbf16_h16_bh16_qt1_bn64_st1_t128_g1_page64_fn",
@@ -58,7 +58,7 @@ def test_fp8_page64_heads16_is_what_the_issue_names():
         "mla_combine_h16_t128_flash",
         "mla_split_schedule_t256_c64",
     ]
-    assert "fp8" in schedule.WS_FORMATS and "fp8" not in schedule.WS_PAGED_FORMATS
+    assert "fp8" in schedule.WS_FORMATS and not schedule.WS_DEFAULTS["fp8"].paged
 
 
 def test_flat_cache_default_class_matches_kernel_variants():
@@ -81,7 +81,7 @@ def test_names_unique_and_in_order(spec):
 
 # Problem sizes that reach every kernel select_kernels has for a class: one CTA per SM or fewer (fused merge), more
 # (split + combine; for some classes only with a forced split count), one split (direct), and at least
-# max(schedule.WS_MIN_TOKENS) cached tokens (the warp-specialised kernel of WS_FORMATS).
+# the largest schedule.WS_DEFAULTS min_tokens cached tokens (the warp-specialised kernel of WS_FORMATS).
 BATCHES = (1, 8, 64, 1024)
 KV_LENS = (1, 1000, 70000)
 NUM_SPLITS = (None, 2)

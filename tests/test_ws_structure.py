@@ -97,16 +97,17 @@ def test_shared_bytes_bound_the_lowered_allocation(source):
 
 
 def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
-    """The default for 16 heads x 1 query with bf16 Q on sm_90a where it measured faster (an mxfp4 cache of
-    >= WS_MIN_TOKENS["mxfp4"] tokens, docs/perf.md run 15; fp8 from WS_MIN_TOKENS["fp8"], runs 24-25, with the L2
-    prefetch); the 16/32/64-row kernel elsewhere (bf16 caches, fp8 Q, smaller caches), and always on gfx942."""
+    """The default for 16 heads x 1 query with bf16 Q on sm_90a where it measured faster (schedule.WS_DEFAULTS: mxfp4
+    caches from 64 Ki tokens, docs/perf.md run 15; flat fp8 caches from 512 Ki, runs 24-26, with the L2 prefetch); the
+    16/32/64-row kernel elsewhere (bf16 caches, fp8 Q, smaller caches, paged fp8), and always on gfx942."""
     common = dict(q_format="bf16", causal=False, page_size=0)
-    big = max(schedule.WS_MIN_TOKENS.values())
-    for kv_format, min_tokens in schedule.WS_MIN_TOKENS.items():
+    big = max(d.min_tokens for d in schedule.WS_DEFAULTS.values())
+    for kv_format, default in schedule.WS_DEFAULTS.items():
+        min_tokens = default.min_tokens
         cfg, combine, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
                                                   total_kv=min_tokens, **common)
         assert isinstance(cfg, WSDecodeKernelConfig) and combine is None, kv_format
-        assert cfg.l2_prefetch == schedule.WS_L2_PREFETCH.get(kv_format, 0)
+        assert cfg.l2_prefetch == default.l2_prefetch
         cfg, _, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
                                             total_kv=min_tokens - 1, **common)
         assert not isinstance(cfg, WSDecodeKernelConfig), (kv_format, min_tokens - 1)
@@ -119,7 +120,7 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
     for kv_format in schedule.WS_FORMATS:  # paged caches: only the formats measured paged
         cfg, _, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
                                             total_kv=big, **dict(common, page_size=64))
-        assert isinstance(cfg, WSDecodeKernelConfig) == (kv_format in schedule.WS_PAGED_FORMATS), kv_format
+        assert isinstance(cfg, WSDecodeKernelConfig) == schedule.WS_DEFAULTS[kv_format].paged, kv_format
     for heads, total_q in ((32, 8), (16, 16)):  # more heads, or two queries per sequence: the 32/64-row kernel
         cfg, _, _ = schedule.select_kernels(H200, kv_format="mxfp4", num_heads=heads, batch=8, total_q=total_q,
                                             total_kv=big, **common)
@@ -171,7 +172,7 @@ def test_l2_prefetch_is_one_bulk_prefetch_per_run_of_rows():
     """fp8 with the prefetch: the producers issue TMA bulk L2 prefetches (no register, no scoreboard) of whole tiles
     (a flat cache) or page runs; a kernel without it has none."""
     with_pf = jit.lower(schedule.ws_config(H200, kv_format="fp8"), H200).kernel_source
-    assert schedule.ws_config(H200, kv_format="fp8").l2_prefetch == schedule.WS_L2_PREFETCH["fp8"] > 0
+    assert schedule.ws_config(H200, kv_format="fp8").l2_prefetch == schedule.WS_DEFAULTS["fp8"].l2_prefetch > 0
     assert "cp.async.bulk.prefetch.L2.global" in with_pf
     calls = [line for line in producer_code(with_pf).splitlines() if "mla_prefetch_l2(" in line]
     assert calls, "no prefetch issued by the producers"
