@@ -619,7 +619,8 @@ class _GraphRun:
         self.decode = jit.get_launcher(cfg, spec)
         self.model = schedule.split_model(spec, cfg, batch=batch)
         self.max_splits = self.model.max_splits
-        self.combine = (jit.get_launcher(schedule.graph_combine_config(spec, num_heads=h_q), spec)
+        self.combine = (jit.get_launcher(schedule.graph_combine_config(spec, num_heads=h_q,
+                                                                       max_splits=self.max_splits), spec)
                         if self.max_splits > 1 else None)
         self.schedule = jit.get_launcher(SplitScheduleConfig(), spec)
         self.own_splits = torch.zeros(batch + 1, dtype=torch.int32, device=device)

@@ -93,7 +93,7 @@ def class_variants(spec: TargetSpec, *, mode: str, num_heads: int, q_tile: int =
         graph = schedule.graph_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
                                       q_tile=q_tile, causal=causal, page_size=page_size)
         if graph is not None:
-            configs += [graph, schedule.graph_combine_config(spec, num_heads=num_heads), SplitScheduleConfig()]
+            configs += [graph, *schedule.graph_combine_configs(spec, num_heads=num_heads), SplitScheduleConfig()]
     return configs
 
 

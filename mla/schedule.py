@@ -41,11 +41,13 @@ WS_STAGES = 2
 @dataclasses.dataclass(frozen=True)
 class WSDefault:
     """Where and how the op's default runs the warp-specialised kernel for one cache format (16-row class on
-    Hopper, bf16 Q: ``WS_Q_FORMATS``)."""
+    Hopper; Q formats: ``WS_Q_FORMATS``)."""
 
-    min_tokens: int  # cached tokens from which the default picks it
+    min_tokens: int  # cached tokens from which the default picks it (bf16 Q)
+    fp8_q_min_tokens: int | None  # the same for fp8 Q (a8w8); None: a8w8 keeps the 16-row kernel
     paged: bool  # also for paged caches (else flat caches only)
     l2_prefetch: int  # ``WSDecodeKernelConfig.l2_prefetch``: tiles ahead the producers ask L2 for (0: none)
+    direct_stores: bool  # ``WSDecodeKernelConfig.direct_stores``: decoder stores by address (no decoder barriers)
 
 
 # mxfp4 from 64 Ki tokens, flat and paged (docs/perf.md run 15, H200: 2.6x faster than the 16-row kernel at
@@ -54,13 +56,22 @@ class WSDefault:
 # flat only (runs 24-26, H100 and H200: 1.2-1.4x faster than the 16-row kernel at 64 x 8192 and 256 x 8192; the
 # paged warp-specialised kernel is not timed for fp8), prefetching 3 tiles ahead (its decoders: 88.5% of the read
 # ceiling with 3, 79% without, 6 evicts before use). bf16 caches (whose cp.async copier the prefetch slows) and fp8 Q
-# (a8w8) keep the 16-row kernel.
+# (a8w8) keep the 16-row kernel. Decoder stores by address for fp8 (run 29, H100: 713.6 -> 601.8 us at 256 x 8192,
+# 205.8 -> 199.1 at 64 x 8192); not for mxfp4 (faster at 64 x 8192, 10% slower at 256 x 8192 in the same run).
+# With those and the consumer's one-barrier softmax (run 31, H100, same-run A/B against the 16-row kernel): fp8
+# from 256 Ki tokens (32 x 8192: 110.5 vs 145.9 us, 256 x 1024: 104.2 vs 132.8; 64 x 1024 a tie, smaller slower);
+# a8w8 from 512 Ki (64 x 8192: 210.0 vs 277.4, 256 x 8192: 650.6 vs 880.4; at 32 x 8192 slower, 201.3 vs 162.3).
 WS_DEFAULTS = {
-    "mxfp4": WSDefault(min_tokens=64 * 1024, paged=True, l2_prefetch=0),
-    "fp8": WSDefault(min_tokens=512 * 1024, paged=False, l2_prefetch=3),
+    "mxfp4": WSDefault(min_tokens=64 * 1024, fp8_q_min_tokens=None, paged=True, l2_prefetch=0,
+                       direct_stores=False),
+    "fp8": WSDefault(min_tokens=256 * 1024, fp8_q_min_tokens=512 * 1024, paged=False, l2_prefetch=3,
+                     direct_stores=True),
 }
+# Every format: the MMA warp group's softmax with one barrier per tile and its score wgmma waited for once
+# (``fast_softmax``, ``score_group``; run 28, H100: the MMA warp group alone 525 -> 311 us at 256 x 8192).
+WS_CONSUMER = dict(fast_softmax=True, score_group=True)
 WS_FORMATS = tuple(WS_DEFAULTS)
-WS_Q_FORMATS = ("bf16",)
+WS_Q_FORMATS = ("bf16", "fp8")  # "fp8": a8w8 (bf16 Q rounded to fp8 in the kernel), where fp8_q_min_tokens says
 
 
 def decode_config(
@@ -181,16 +192,24 @@ def ws_class_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_hea
                      page_size: int) -> bool:
     """Whether the op's default may pick the warp-specialised kernel for this problem class (large enough caches:
     ``ws_by_default``)."""
-    default = WS_DEFAULTS.get(kv_format)
-    return (default is not None and q_format in WS_Q_FORMATS and (page_size == 0 or default.paged)
+    return (ws_min_tokens(kv_format, q_format) is not None and (page_size == 0 or WS_DEFAULTS[kv_format].paged)
             and uses_ws(spec, num_heads=num_heads, q_tile=q_tile))
+
+
+def ws_min_tokens(kv_format: str, q_format: str) -> int | None:
+    """Cached tokens from which the default takes the warp-specialised kernel for this cache and Q format; None:
+    never (``WS_DEFAULTS``, ``WS_Q_FORMATS``)."""
+    default = WS_DEFAULTS.get(kv_format)
+    if default is None or q_format not in WS_Q_FORMATS:
+        return None
+    return default.min_tokens if q_format == "bf16" else default.fp8_q_min_tokens
 
 
 def ws_by_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, q_tile: int, page_size: int,
                   total_kv: int) -> bool:
     """Whether the op picks the warp-specialised kernel for this problem when not told (``WS_DEFAULTS``)."""
     return (ws_class_default(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile,
-                             page_size=page_size) and total_kv >= WS_DEFAULTS[kv_format].min_tokens)
+                             page_size=page_size) and total_kv >= ws_min_tokens(kv_format, q_format))
 
 
 def flash_io_variant(decode_cfg):
@@ -217,8 +236,11 @@ def ws_config(
     """The warp-specialised kernel's config for a problem class; ``overrides`` replace the defaults (tuning)."""
     cfg = WSDecodeKernelConfig(
         kv_format=kv_format, q_format=q_format, num_heads=num_heads, num_stages=WS_STAGES, causal=causal,
-        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, l2_prefetch=WS_DEFAULTS[kv_format].l2_prefetch if kv_format in WS_DEFAULTS else 0,
+        page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, **WS_CONSUMER,
     )
+    if kv_format in WS_DEFAULTS:
+        tuned = WS_DEFAULTS[kv_format]
+        cfg = dataclasses.replace(cfg, l2_prefetch=tuned.l2_prefetch, direct_stores=tuned.direct_stores)
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.shared_bytes > spec.smem_bytes:
         raise ValueError(f"{cfg.name} needs {cfg.shared_bytes} B of shared memory; {spec.name} has {spec.smem_bytes}")
@@ -369,7 +391,7 @@ def decode_variants(spec: TargetSpec, *, kv_format: str, q_format: str, num_head
 def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:
     """Every kernel the op may launch for one problem class: each mode's split and direct decode kernels, the
     combine kernel and, on CUDA (``FUSED_COMBINE_ON_CUDA``), the decode kernel with its merge fused; on
-    Hopper's 16-row class also the warp-specialised kernel of WS_FORMATS. Used to pre-build (bench.py without a GPU)
+    Hopper's 16-row class also the warp-specialised kernel of each mode that has a WS default (``ws_min_tokens``). Used to pre-build (bench.py without a GPU)
     and to test that all of them compile."""
     variants = []
     for kv_format, q_format in MODES.values():
@@ -377,7 +399,8 @@ def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, c
                                     causal=causal)
     variants = list(dict.fromkeys(variants))  # the combine kernel once
     if uses_ws(spec, num_heads=num_heads, q_tile=q_tile):  # the warp-specialised kernel, for large problems
-        variants += [ws_config(spec, kv_format=kv, num_heads=num_heads, causal=causal) for kv in WS_FORMATS]
+        variants += [ws_config(spec, kv_format=kv, q_format=q, num_heads=num_heads, causal=causal)
+                     for kv, q in MODES.values() if ws_min_tokens(kv, q) is not None]
     return variants
 
 
@@ -462,8 +485,20 @@ def graph_config(spec: TargetSpec, *, kv_format: str, q_format: str = "bf16", nu
     return dataclasses.replace(cfg, flash_io=True, split_counts=True)
 
 
-def graph_combine_config(spec: TargetSpec, *, num_heads: int = 16) -> CombineKernelConfig:
-    return dataclasses.replace(combine_config(spec, num_heads=num_heads), flash_io=True)
+GRAPH_WIDE_COMBINE_SPLITS = 16  # a graph whose split cap is at least this merges with 4 lanes per chunk
+
+
+def graph_combine_config(spec: TargetSpec, *, num_heads: int = 16, max_splits: int = 1) -> CombineKernelConfig:
+    """The combine's flash form for a graph whose grid caps the splits at ``max_splits``: 4 lanes per 4-dim chunk
+    (each row's loads in one round, over 4 CTAs per row) from GRAPH_WIDE_COMBINE_SPLITS splits, else 1 (a CTA per
+    row; at 2-8 splits 4x the CTAs cost more than the rounds they save: run 28, 64 x 1024 and 128 x 4096)."""
+    lanes = 4 if max_splits >= GRAPH_WIDE_COMBINE_SPLITS else 1
+    return dataclasses.replace(combine_config(spec, num_heads=num_heads), flash_io=True, split_lanes=lanes)
+
+
+def graph_combine_configs(spec: TargetSpec, *, num_heads: int = 16) -> list[CombineKernelConfig]:
+    """Both forms ``graph_combine_config`` may pick (ahead of the batch size, which sets the split cap)."""
+    return [graph_combine_config(spec, num_heads=num_heads, max_splits=m) for m in (1, GRAPH_WIDE_COMBINE_SPLITS)]
 
 
 @dataclasses.dataclass(frozen=True)

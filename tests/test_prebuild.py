@@ -56,6 +56,7 @@ def test_fp8_page64_heads16_is_what_the_issue_names():
         "mla_decode_split_kvfp8_qbf16_h16_bh16_qt1_bn64_st1_t128_g1_page64_fused_flash_fn",
         "mla_decode_split_kvfp8_qbf16_h16_bh16_qt1_bn64_st1_t128_g1_page64_flash_counts_fn",
         "mla_combine_h16_t128_flash",
+        "mla_combine_h16_t128_flash_l4",
         "mla_split_schedule_t256_c64",
     ]
     assert "fp8" in schedule.WS_FORMATS and not schedule.WS_DEFAULTS["fp8"].paged
@@ -106,7 +107,7 @@ def selected(spec, mode, heads, page, q_len, causal, *, flash=False):
     graph = schedule.graph_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
                                   q_tile=schedule.query_tile(q_len, 1), causal=causal, page_size=page)
     if flash and graph is not None:  # the graph form (CUDA-graph capture, metadata made from lengths)
-        picked |= {graph.name, schedule.graph_combine_config(spec, num_heads=heads).name,
+        picked |= {graph.name, *(c.name for c in schedule.graph_combine_configs(spec, num_heads=heads)),
                    SplitScheduleConfig().name}
     return picked
 
@@ -176,8 +177,8 @@ def test_gfx942_has_no_cuda_only_forms():
 def test_list_prints_names_only(capsys):
     lines = listed(capsys, "--modes", "fp8", "--page-size", "64", "--heads", "16,128")
     assert lines == names(prebuild.call_variants(H200, modes=["fp8"], page_sizes=[64], heads=[16, 128]))
-    assert len(lines) == 15  # per head count: split, direct, combine, fused, its flash form; graph form (3, the
-    # schedule once)
+    assert len(lines) == 17  # per head count: split, direct, combine, fused, its flash form; graph form (the
+    # split kernel and the combine's two flash forms; the schedule once)
 
 
 def test_list_defaults_and_only(capsys):

@@ -97,9 +97,10 @@ def test_shared_bytes_bound_the_lowered_allocation(source):
 
 
 def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
-    """The default for 16 heads x 1 query with bf16 Q on sm_90a where it measured faster (schedule.WS_DEFAULTS: mxfp4
-    caches from 64 Ki tokens, docs/perf.md run 15; flat fp8 caches from 512 Ki, runs 24-26, with the L2 prefetch); the
-    16/32/64-row kernel elsewhere (bf16 caches, fp8 Q, smaller caches, paged fp8), and always on gfx942."""
+    """The default for 16 heads x 1 query on sm_90a where it measured faster (schedule.WS_DEFAULTS: mxfp4 caches from
+    64 Ki tokens, docs/perf.md run 15; flat fp8 caches from 256 Ki with bf16 Q and from 512 Ki with fp8 Q, run 31, with
+    the L2 prefetch); the 16/32/64-row kernel elsewhere (bf16 caches, smaller caches, paged fp8, mxfp4 with fp8 Q),
+    and always on gfx942."""
     common = dict(q_format="bf16", causal=False, page_size=0)
     big = max(d.min_tokens for d in schedule.WS_DEFAULTS.values())
     for kv_format, default in schedule.WS_DEFAULTS.items():
@@ -114,9 +115,12 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
     cfg, _, _ = schedule.select_kernels(H200, kv_format="bf16", num_heads=16, batch=8, total_q=8, total_kv=big,
                                         **common)
     assert not isinstance(cfg, WSDecodeKernelConfig), "bf16 caches keep the 16-row kernel"
-    cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=big,
-                                        **dict(common, q_format="fp8"))
-    assert not isinstance(cfg, WSDecodeKernelConfig), "fp8 Q (a8w8) keeps the 16-row kernel"
+    a8w8_min = schedule.WS_DEFAULTS["fp8"].fp8_q_min_tokens  # fp8 Q (a8w8): its own threshold
+    for total_kv, ws in ((a8w8_min, True), (a8w8_min - 1, False)):
+        cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=total_kv,
+                                            **dict(common, q_format="fp8"))
+        assert isinstance(cfg, WSDecodeKernelConfig) == ws and (not ws or cfg.q_format == "fp8"), total_kv
+    assert schedule.ws_min_tokens("mxfp4", "fp8") is None and schedule.ws_min_tokens("bf16", "bf16") is None
     for kv_format in schedule.WS_FORMATS:  # paged caches: only the formats measured paged
         cfg, _, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
                                             total_kv=big, **dict(common, page_size=64))
@@ -178,3 +182,37 @@ def test_l2_prefetch_is_one_bulk_prefetch_per_run_of_rows():
     assert calls, "no prefetch issued by the producers"
     without = jit.lower(schedule.ws_config(H200, kv_format="mxfp4"), H200).kernel_source
     assert "mla_prefetch_l2" not in without
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_fast_softmax_exchanges_each_tile_max_once(overlap):
+    """``fast_softmax`` (the schedule's default): each tile's row maxima come from ``mla_ws_tile_max`` (one exchange
+    through shared memory behind its own named barrier, id 5, which no other barrier of the kernel uses) and no
+    TileLang reduction is left in the KV loop: the one left is the per-pass sum of the deferred denominators."""
+    fast = schedule.ws_config(H200, kv_format="fp8", overlap=overlap)
+    base = schedule.ws_config(H200, kv_format="fp8", overlap=overlap, fast_softmax=False)
+    assert fast.fast_softmax and fast.score_group and fast.name == base.name.replace("_sg", "_fs_sg")
+    src = jit.lower(fast, H200).kernel_source
+    base_src = jit.lower(base, H200).kernel_source
+    calls = [line for line in src.splitlines() if "mla_ws_tile_max(" in line and "__device__" not in line]
+    assert len(calls) == base.num_stages  # one per static stage of the ring loop
+    assert src.count("AllReduce<tl::SumOp") == 2 and src.count("AllReduce<tl::MaxOp") == 0  # the per-pass sum
+    assert base_src.count("AllReduce<tl::MaxOp") == 2 * base.num_stages  # what it replaces: two per stage
+    other_ids = {int(i) for i in re.findall(r"__sync_thread_partial\((\d+)", src)}
+    assert 5 not in other_ids and src.count("bar.sync 5, 128") == 1
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+def test_direct_stores_leave_the_decoders_without_barriers(kv_format):
+    """``direct_stores``: the decoders store each chunk by its shared address (taken once per stage through the
+    ring's layout), so TileLang's barrier planner puts no barrier among them (without it: one before most chunks'
+    stores, the 8 decoder warps in lock-step); the schedule turns it on for fp8."""
+    on = schedule.ws_config(H200, kv_format=kv_format, direct_stores=True)
+    off = schedule.ws_config(H200, kv_format=kv_format, direct_stores=False)
+    decoder_barriers = lambda src: len(re.findall(r"__sync_thread_partial\(\d+, 256\)", producer_code(src)))  # noqa: E731
+    on_src = jit.lower(on, H200).kernel_source
+    assert decoder_barriers(on_src) == 0 and "mla_st_shared_swz32(" in producer_code(on_src)
+    assert decoder_barriers(jit.lower(off, H200).kernel_source) > 0
+    assert schedule.ws_config(H200, kv_format="fp8").direct_stores == schedule.WS_DEFAULTS["fp8"].direct_stores
+    with pytest.raises(ValueError, match="direct_stores"):
+        WSDecodeKernelConfig(kv_format="bf16", direct_stores=True)

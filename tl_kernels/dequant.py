@@ -55,6 +55,20 @@ __device__ __forceinline__ unsigned mla_ld_global_u8(const void* src) {
   asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(src));
   return v;
 }
+// A shared-memory address as the 32-bit offset st.shared takes.
+__device__ __forceinline__ unsigned mla_smem_addr(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+// 16 bf16 (8 words from src) into a 128-byte-swizzled shared tile: words 0-3 at addr, words 4-7 at addr ^ 16 (the
+// swizzle keeps a 32-byte chunk's two 16-byte halves in slots that differ in address bit 4). By address, so the
+// compiler's shared-memory analysis sees no buffer access to order with barriers.
+__device__ __forceinline__ void mla_st_shared_swz32(unsigned addr, const void* src) {
+  const unsigned* v = (const unsigned*)src;
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr ^ 16u), "r"(v[4]), "r"(v[5]), "r"(v[6]), "r"(v[7]) : "memory");
+}
 // 16 e4m3 codes (4 words) -> 16 bf16 (8 words) holding code * 2^-120.
 __device__ __forceinline__ void mla_fp8x16_to_bf16(void* dst, const void* src) {
   const unsigned* in = (const unsigned*)src;
@@ -106,10 +120,10 @@ __device__ __forceinline__ void mla_prefetch_l2(const void* src, unsigned nbytes
 """
 
 
-def import_cuda_source(prefetch: bool = False):
-    """Adds the device functions to the kernel being built (call once inside its ``T.Kernel``); ``prefetch`` adds
-    ``mla_prefetch_l2`` too."""
-    T.import_source(CUDA_SOURCE + (PREFETCH_CUDA_SOURCE if prefetch else ""))
+def import_cuda_source(prefetch: bool = False, extra: str = ""):
+    """Adds the device functions to the kernel being built (call once inside its ``T.Kernel``: a kernel takes one
+    imported source); ``prefetch`` adds ``mla_prefetch_l2`` too, ``extra`` any other device functions."""
+    T.import_source(CUDA_SOURCE + (PREFETCH_CUDA_SOURCE if prefetch else "") + extra)
 
 
 def prefetch_l2(src, nbytes):
@@ -133,6 +147,17 @@ def fp8x16_to_bf16(dst, src):
     """16 e4m3 codes in the four local words from ``src`` -> 16 bf16 from ``dst`` (a local bf16 buffer element),
     each ``code * 2^-120`` (see the module docstring)."""
     return T.call_extern("handle", "mla_fp8x16_to_bf16", T.access_ptr(dst, "w"), T.access_ptr(src, "r"))
+
+
+def smem_addr(elem):
+    """The 32-bit shared-memory address of ``elem`` (a shared buffer element, after its layout)."""
+    return T.call_extern("uint32", "mla_smem_addr", T.access_ptr(elem, "w"))
+
+
+def store_swizzled_32(addr, src):
+    """The 16 bf16 from ``src`` (a local buffer element) into a 128-byte-swizzled shared tile at ``addr``
+    (``mla_st_shared_swz32``)."""
+    return T.call_extern("handle", "mla_st_shared_swz32", addr, T.access_ptr(src, "r"))
 
 
 def e2m1x16_to_bf16(dst, src, scale_byte):

@@ -218,7 +218,7 @@ def _context(cfg: DecodeKernelConfig) -> SimpleNamespace:
                         q_tile=cfg.q_tile, threads=cfg.threads, head_groups=cfg.num_heads // cfg.block_h,
                         fused=cfg.fused_combine, flash_io=cfg.flash_io,
                         flat_partials=cfg.fused_combine or cfg.split_counts,
-                        staged=cfg.kv_format != "bf16" and cfg.stage_compressed)
+                        staged=cfg.kv_format != "bf16" and cfg.stage_compressed, deferred_sum=False)
     c.kv_cols, c.kv_dtype = _kv_storage(cfg)
     c.q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
     if cfg.flash_io:  # every sequence has s_q queries; rows are (sequence, query) pairs

@@ -168,7 +168,7 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
 
     # The online-softmax step of warp group 0 runs on S [row, token] and its half of O [row, dim].
     softmax_ctx = SimpleNamespace(block_m=ROWS, block_n=block_n, token_axis=1, kv_major_loops=False,
-                                  out_dims=HALF,
+                                  out_dims=HALF, deferred_sum=False,
                                   tr=lambda *index: list(index[0]) if len(index) == 1 else index)
 
     def o_index(split, qi, h, d):

@@ -77,6 +77,17 @@ class WSDecodeKernelConfig:
     # Benchmark only: producers that touch no memory (they only pass stages along), so the kernel times the MMA
     # warp group alone. Its output is meaningless.
     idle_producers: bool = False
+    # The MMA warp group's softmax with one barrier per tile: the tile's row maxima exchanged once across the 4 warps
+    # (``steps.TILE_MAX_CUDA_SOURCE``) instead of TileLang's per-value reductions (two barriers per value, 4 values
+    # per thread), and the denominators summed per score position, reduced once per pass (no per-tile reduction).
+    fast_softmax: bool = False
+    # S^T's latent and rope wgmma issued as one group and waited for once (T.gemm waits after each of the two).
+    score_group: bool = False
+    # The decoders store each chunk by shared address (``dequant.store_swizzled_32``): TileLang's barrier planner
+    # then sees no ring access in their loop and inserts none (it put a barrier among all 256 decoders before most
+    # chunks' stores: the 8 warps in lock-step, each waiting on the slowest's loads). The ring's stages are ordered
+    # by their mbarriers; no decoder reads the ring.
+    direct_stores: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -92,6 +103,8 @@ class WSDecodeKernelConfig:
             raise ValueError("the warp-specialised kernel is built for 16 query rows x 64-token tiles")
         if self.kv_format != "bf16" and self.num_stages != 2:
             raise ValueError("the decoders keep two tiles in registers: fp8 / mxfp4 need num_stages == 2")
+        if self.direct_stores and self.kv_format == "bf16":
+            raise ValueError("direct_stores is the decoders' (fp8 / mxfp4): a bf16 cache is copied, not stored")
         if self.l2_prefetch < 0:
             raise ValueError(f"l2_prefetch must be >= 0 (tiles ahead; 0: off), got {self.l2_prefetch}")
         producers = {f"producer_regs (group {g})": self.producer_regs for g in range(self.producer_groups)}
@@ -144,7 +157,7 @@ class WSDecodeKernelConfig:
             f"_bn{self.block_n}_st{self.num_stages}_r{self.consumer_regs}-{self.producer_regs}x{self.producer_groups}"
             f"{'_causal' if self.causal else ''}{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
             f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{'_ov' if self.overlap else ''}"
-            f"{'_idle' if self.idle_producers else ''}"
+            f"{'_idle' if self.idle_producers else ''}{'_fs' if self.fast_softmax else ''}{'_sg' if self.score_group else ''}{'_dst' if self.direct_stores else ''}"
         )
 
 
@@ -224,7 +237,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                              fp8_dtype=cfg.fp8_dtype)
 
     softmax_ctx = SimpleNamespace(block_m=block_m, block_n=block_n, token_axis=0, kv_major_loops=True,
-                                  out_dims=KV_LORA_RANK,
+                                  out_dims=KV_LORA_RANK, deferred_sum=cfg.fast_softmax,
                                   tr=functools.partial(steps.accumulator_index, True))
 
     def ring_parity(k, q_pass, rnd):
@@ -338,14 +351,26 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[word]))
             if next_lo is not None:
                 fetch_chunk(k, s, next_lo, j)
-            dst, col = (k.Ring_lat[s], dim) if j < LATENT_CHUNKS else (k.Ring_rope[s], dim - KV_LORA_RANK)
-            for v in T.vectorized(dequant.CHUNK):
-                dst[i, col + v] = k.vals[v]
+            if cfg.direct_stores:
+                # chunk j's rows are 8 j + r8: 8 rows (1 KiB of the swizzled panel) past chunk 0's
+                addr = k.ring_addr[2 * s] + j * 1024 if j < LATENT_CHUNKS else k.ring_addr[2 * s + 1]
+                T.evaluate(dequant.store_swizzled_32(addr, k.vals[0]))
+            else:
+                dst, col = (k.Ring_lat[s], dim) if j < LATENT_CHUNKS else (k.Ring_rope[s], dim - KV_LORA_RANK)
+                for v in T.vectorized(dequant.CHUNK):
+                    dst[i, col + v] = k.vals[v]
 
     @T.macro
     def decode_tiles(k):
         """fp8 / mxfp4: tiles t and t + 1 are loaded ahead; per tile, wait for a free stage, decode into it."""
         T.set_max_nreg(cfg.producer_regs, 0)
+        if cfg.direct_stores:
+            # Per stage, the shared addresses of this thread's chunk 0 (latent) and rope chunk, once.
+            for s in list(range(stages)):
+                i0, d0 = chunk_place(k, 0)
+                ir, dr = chunk_place(k, LATENT_CHUNKS)
+                k.ring_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][i0, d0])
+                k.ring_addr[2 * s + 1] = dequant.smem_addr(k.Ring_rope[s][ir, dr - KV_LORA_RANK])
         for q_pass in T.serial(k.num_passes):
             for first in list(range(stages)):
                 if first < k.num_tiles:
@@ -384,6 +409,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         for r, d in T.Parallel(block_m, ROPE_DIM):
             k.Q_rope[r, d] = q_value(k, q_scale, q_pass, k.hg * block_h + r, KV_LORA_RANK + d)
 
+    def tile_max_scratch(k, s):
+        """``fast_softmax``: the address of stage ``s``'s slot of the tile-max scratch; else None (TileLang's
+        reduction)."""
+        return k.tile_max.access_ptr("rw", offset=s * 64) if cfg.fast_softmax else None
+
     @T.macro
     def mask_scores(k, tile_lo, horizon, score_scale):
         """The finished scores times the score scale; -inf past the horizon (split end, causal)."""
@@ -396,20 +426,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         for r, j in T.Parallel(block_m, block_n):
             k.P_shared[r, j] = T.cast(k.acc_s[j, r], bf16)
 
-    @T.macro
-    def attend_tile(k, s, tile_lo, horizon, score_scale):
-        """Scores, online-softmax step and P V for the tile in stage ``s``."""
-        # S^T = K Q^T over 512 latent + 64 rope dims.
-        T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
-        T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
-        mask_scores(k, tile_lo, horizon, score_scale)
-        # Online softmax in base 2 (S^T and O^T: the KV tile is the wgmma M dimension).
-        steps.online_softmax_step(softmax_ctx, k)
-        store_p(k)
-        # O^T += V^T P^T.
-        T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
-
-    # ---- the pipelined MMA warp group (``overlap``): the same steps, issued a tile apart
+    # The score and P V wgmma issued without a wait (``T.wgmma_gemm``): the pipelined consumer (``overlap``) and
+    # ``score_group`` wait for them where they need their results.
 
     @T.macro
     def issue_scores(k, s):
@@ -423,10 +441,30 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         T.wgmma_gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
     @T.macro
-    def probabilities(k, tile_lo, horizon, score_scale):
+    def attend_tile(k, s, tile_lo, horizon, score_scale):
+        """Scores, online-softmax step and P V for the tile in stage ``s``."""
+        # S^T = K Q^T over 512 latent + 64 rope dims.
+        if cfg.score_group:
+            issue_scores(k, s)
+            T.wait_wgmma(0)
+        else:
+            T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
+            T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
+        mask_scores(k, tile_lo, horizon, score_scale)
+        # Online softmax in base 2 (S^T and O^T: the KV tile is the wgmma M dimension).
+        steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s))
+        steps.rescale_output(softmax_ctx, k)
+        store_p(k)
+        # O^T += V^T P^T.
+        T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
+
+    # ---- the pipelined MMA warp group (``overlap``): the same steps, issued a tile apart
+
+    @T.macro
+    def probabilities(k, s, tile_lo, horizon, score_scale):
         """Mask and scale the finished scores, then the softmax step up to the probabilities (not ``acc_o``)."""
         mask_scores(k, tile_lo, horizon, score_scale)
-        steps.softmax_probabilities(softmax_ctx, k)
+        steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s))
 
     @T.macro
     def publish_p(k):
@@ -453,7 +491,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                         T.wait_wgmma(1)
                     else:
                         T.wait_wgmma(0)
-                    probabilities(k, k.split_lo + tile * block_n, horizon, score_scale)
+                    probabilities(k, s, k.split_lo + tile * block_n, horizon, score_scale)
                     # Unconditional (a no-op at tile 0): ptxas must see every path wait before acc_o is read, or
                     # it serialises every wgmma of the kernel.
                     T.wait_wgmma(0)
@@ -544,6 +582,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             load_q(k, q_pass, q_scale)
             T.fill(k.acc_o, 0)
             T.fill(k.denom, 0)
+            if cfg.fast_softmax:
+                T.fill(k.psum, 0)
             T.fill(k.row_max, -T.infinity(f32))
             horizon = k.split_hi
             if cfg.causal:
@@ -559,6 +599,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                         if tile < k.num_tiles:
                             attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale)
                         T.barrier_arrive(k.free[s])
+            if cfg.fast_softmax:
+                steps.deferred_denominator(softmax_ctx, k)
             write_pass(k, q_pass, out_scale)
         if k.num_splits > 1:
             merge_splits(k)
@@ -595,6 +637,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.raw = T.alloc_local([2 * CHUNKS_PER_THREAD * chunk_words], "uint32")
             k.scale = T.alloc_local([2 * CHUNKS_PER_THREAD], "uint32") if mxfp4 else None
             k.vals = T.alloc_local([16], bf16)
+            k.ring_addr = T.alloc_local([2 * stages], "uint32") if cfg.direct_stores else None
 
     def consumer_state(k, qo_indptr, seq_id):
         """The consumer's Q and P tiles, accumulators and query range."""
@@ -607,6 +650,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.acc_o = T.alloc_fragment([KV_LORA_RANK, block_m], f32)
         for name in ("row_max", "row_max_prev", "row_max_safe", "rescale", "row_sum", "denom"):
             setattr(k, name, T.alloc_fragment([block_m], f32))
+        if cfg.fast_softmax:
+            k.psum = T.alloc_fragment([block_n, block_m], f32)  # running sums per score position
+            k.tile_max = T.alloc_shared([stages * 64], f32)  # mla_ws_tile_max's slots, one per stage
         k.q_begin = scalar("int32", qo_indptr[seq_id])
         k.q_len = scalar("int32", qo_indptr[seq_id + 1] - qo_indptr[seq_id])
         k.num_passes = scalar("int32", T.max(k.q_len, 0))
@@ -615,7 +661,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
              num_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
-            dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0)
+            dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0,
+                                       extra=steps.TILE_MAX_CUDA_SOURCE if cfg.fast_softmax else "")
             k = SimpleNamespace(Q=Q, KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Q_scale=Q_scale,
                                 KV_scale=KV_scale, Page_table=Page_table, sm_scale=sm_scale, O_partial=O_partial,
                                 LSE_partial=LSE_partial, Semaphores=Semaphores, Out=Out, LSE=LSE, hg=hg)

@@ -4,9 +4,9 @@ lengths (the host never reads the lengths: ``mla.flash_mla.get_mla_metadata`` an
 
 One CTA, three stages:
   1. the total length (each thread sums a strided share; a tree reduction in shared memory);
-  2. the batch's split count S by the cost model of ``mla.schedule.choose_num_splits`` (every thread runs it: at
-     most MAX_CANDIDATES candidates, no memory traffic; costs in tenths of a tile, as integers, so that the device
-     and ``mla.schedule.device_split_counts`` choose alike, ties included), and from it the tiles per split,
+  2. the batch's split count S by the cost model of ``mla.schedule.choose_num_splits`` (a thread per candidate, at
+     most MAX_CANDIDATES, then a min-reduction; costs in tenths of a tile, as integers, so that the device and
+     ``mla.schedule.device_split_counts`` choose alike, ties included), and from it the tiles per split,
      chunk = ceil(mean tiles / S);
   3. each sequence's count, ceil(its tiles / chunk) clamped to [1, max_splits] (a long sequence of a ragged batch
      takes more splits, a short one fewer), and their running sum (a scan in shared memory per block of
@@ -20,6 +20,9 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 MAX_CANDIDATES = 64  # split counts the model tries (mla.schedule.MAX_SPLITS)
+KEY_COUNTS = 1024  # a candidate's key is cost * KEY_COUNTS + count (count < KEY_COUNTS), so min() takes the
+# cheapest and, on a tie, the smallest count
+KEY_NONE = 1 << 62  # no candidate
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ class SplitScheduleConfig:
 
     threads: int = 256
     max_candidates: int = MAX_CANDIDATES
+
+    def __post_init__(self):
+        if self.threads & (self.threads - 1) or not 0 < self.max_candidates < KEY_COUNTS:
+            raise ValueError(f"threads must be a power of two and max_candidates in [1, {KEY_COUNTS}): {self}")
 
     @property
     def name(self) -> str:
@@ -69,8 +76,9 @@ def mla_split_schedule_kernel(cfg: SplitScheduleConfig):
             sums = T.alloc_shared([threads], i64)
             scan = T.alloc_shared([threads], i32)
             total = T.alloc_var(i64, init=0)
+            keys = T.alloc_shared([threads], i64)
             best = T.alloc_var(i32, init=1)
-            best_cost = T.alloc_var(i64, init=-1)  # -1: none yet
+            best_key = T.alloc_var(i64, init=KEY_NONE)  # cost * KEY_COUNTS + count of this thread's cheapest
             carry = T.alloc_var(i32, init=0)
             value = T.alloc_var(i32, init=0)
 
@@ -85,16 +93,25 @@ def mla_split_schedule_kernel(cfg: SplitScheduleConfig):
                     sums[tx] = sums[tx] + sums[tx + T.shift_right(threads, level + 1)]
                 T.sync_threads()
 
-            # Stage 2: the batch's split count (the host model, ``choose_num_splits``) and the tiles per split.
+            # Stage 2: the batch's split count (the host model, ``choose_num_splits``) and the tiles per split. Each
+            # thread costs its own candidates (one, for 64 candidates on 256 threads) and a min-reduction of
+            # (cost, count) keys picks the cheapest, the smallest count on a tie, as the host's strict < over
+            # increasing counts does; no valid candidate (no tile) leaves 1.
             tiles = T.alloc_var(i32, init=T.cast(T.ceildiv(sums[0], T.cast(batch * block_n, i64)), i32))
-            for k in T.serial(candidates):
-                if k + 1 <= max_splits and k + 1 <= tiles:
-                    waves = T.cast(T.ceildiv(batch * head_groups * (k + 1), slots), i64)
-                    cost = waves * T.cast(10 * T.ceildiv(tiles, k + 1) + cta_overhead, i64) + T.cast(
-                        T.if_then_else(k > 0, combine_overhead + combine_per_split * (k + 1), 0), i64)
-                    if best_cost < 0 or cost < best_cost:
-                        best = k + 1
-                        best_cost = cost
+            for j in T.serial(T.ceildiv(candidates, threads)):
+                count = j * threads + tx + 1
+                if count <= candidates and count <= max_splits and count <= tiles:
+                    waves = T.cast(T.ceildiv(batch * head_groups * count, slots), i64)
+                    cost = waves * T.cast(10 * T.ceildiv(tiles, count) + cta_overhead, i64) + T.cast(
+                        T.if_then_else(count > 1, combine_overhead + combine_per_split * count, 0), i64)
+                    best_key = T.min(best_key, cost * KEY_COUNTS + count)
+            keys[tx] = best_key
+            T.sync_threads()
+            for level in T.serial(threads.bit_length() - 1):
+                if tx < T.shift_right(threads, level + 1):
+                    keys[tx] = T.min(keys[tx], keys[tx + T.shift_right(threads, level + 1)])
+                T.sync_threads()
+            best = T.if_then_else(keys[0] == KEY_NONE, 1, T.cast(keys[0] % KEY_COUNTS, i32))
             chunk = T.alloc_var(i32, init=T.max(T.ceildiv(tiles, best), 1))
 
             # Stage 3: each sequence's count and the running sum, a block of ``threads`` sequences at a time.

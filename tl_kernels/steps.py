@@ -130,12 +130,22 @@ def online_softmax_step(c, k):
 
 
 @T.macro
-def softmax_probabilities(c, k):
+def softmax_probabilities(c, k, tile_max_scratch=None):
     """The first half of ``online_softmax_step``: row maxima, rescale factors, probabilities (exp2, in place in
     ``k.acc_s``) and the running sum; ``k.acc_o`` untouched (a kernel whose P V of the previous tile is still in
-    flight on it rescales it later, ``rescale_output``)."""
+    flight on it rescales it later, ``rescale_output``).
+
+    ``tile_max_scratch`` (the address of 64 floats of shared memory, one slot per ring stage): the row maxima by
+    ``mla_ws_tile_max`` (one warp group's wgmma m64n16 S^T tile, one barrier) instead of TileLang's reduction (one
+    cross-warp exchange per row value, two barriers each). ``c.deferred_sum``: the running sum is kept per score
+    position in ``k.psum`` (rescaled like the output) and reduced once per pass (``deferred_denominator``), not per
+    tile."""
     T.copy(k.row_max, k.row_max_prev)
-    T.reduce_max(k.acc_s, k.row_max, dim=c.token_axis, clear=False)
+    if tile_max_scratch is None:
+        T.reduce_max(k.acc_s, k.row_max, dim=c.token_axis, clear=False)
+    else:
+        T.call_extern("handle", "mla_ws_tile_max", k.row_max.access_ptr("rw"), k.acc_s.access_ptr("r"),
+                      tile_max_scratch)
     for r in T.Parallel(c.block_m):
         k.row_max_safe[r] = T.if_then_else(k.row_max[r] == -T.infinity("float32"), 0, k.row_max[r])
         k.rescale[r] = T.exp2(k.row_max_prev[r] - k.row_max_safe[r])
@@ -145,9 +155,23 @@ def softmax_probabilities(c, k):
     else:
         for r, j in T.Parallel(c.block_m, c.block_n):
             k.acc_s[c.tr(r, j)] = T.exp2(k.acc_s[c.tr(r, j)] - k.row_max_safe[r])
-    T.reduce_sum(k.acc_s, k.row_sum, dim=c.token_axis)
-    for r in T.Parallel(c.block_m):
-        k.denom[r] = k.denom[r] * k.rescale[r] + k.row_sum[r]
+    if c.deferred_sum:
+        if c.kv_major_loops:
+            for j, r in T.Parallel(c.block_n, c.block_m):
+                k.psum[c.tr(r, j)] = k.psum[c.tr(r, j)] * k.rescale[r] + k.acc_s[c.tr(r, j)]
+        else:
+            for r, j in T.Parallel(c.block_m, c.block_n):
+                k.psum[c.tr(r, j)] = k.psum[c.tr(r, j)] * k.rescale[r] + k.acc_s[c.tr(r, j)]
+    else:
+        T.reduce_sum(k.acc_s, k.row_sum, dim=c.token_axis)
+        for r in T.Parallel(c.block_m):
+            k.denom[r] = k.denom[r] * k.rescale[r] + k.row_sum[r]
+
+
+@T.macro
+def deferred_denominator(c, k):
+    """With ``c.deferred_sum``: the pass's softmax denominators, ``k.denom``, from the per-position sums."""
+    T.reduce_sum(k.psum, k.denom, dim=c.token_axis)
 
 
 @T.macro
@@ -159,6 +183,41 @@ def rescale_output(c, k):
     else:
         for r, d in T.Parallel(c.block_m, c.out_dims):
             k.acc_o[c.tr(r, d)] *= k.rescale[r]
+
+
+# One S^T tile's row maxima in the warp-specialised kernel (``softmax_probabilities``'s ``tile_max_scratch``). The
+# MMA warp group's accumulator is wgmma's m64n16 fp32 layout: a thread's element e (0..7) is head
+# 8 (e >> 2) + 2 (lane % 4) + (e & 1) of token 16 warp + lane / 4 + 8 ((e >> 1) & 1), and its 4 row values
+# (``row_max``) are heads in the order i = 2 (e >> 2) + (e & 1). Per head: the thread's 2 tokens, the 8 lanes of
+# the warp that share its heads (3 shuffles), then the 4 warps through shared memory: one named barrier (id 5, the
+# 128 threads of the warp group; the kernel's other named barriers use 1-4). The scratch is one 64-float slot per ring stage, so a slot
+# is written again only after the next tile's barrier, when every thread has read it.
+TILE_MAX_CUDA_SOURCE = r"""
+__device__ __forceinline__ void mla_ws_tile_max(float* row_max, const float* acc, void* scratch_ptr) {
+  float* scratch = static_cast<float*>(scratch_ptr);
+  float m[4];
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m[i] = fmaxf(acc[(i >> 1) * 4 + (i & 1)], acc[(i >> 1) * 4 + 2 + (i & 1)]);
+    m[i] = fmaxf(m[i], __shfl_xor_sync(0xffffffffu, m[i], 4));
+    m[i] = fmaxf(m[i], __shfl_xor_sync(0xffffffffu, m[i], 8));
+    m[i] = fmaxf(m[i], __shfl_xor_sync(0xffffffffu, m[i], 16));
+  }
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  if (lane < 4) {
+    *reinterpret_cast<float4*>(scratch + (warp * 4 + lane) * 4) = make_float4(m[0], m[1], m[2], m[3]);
+  }
+  asm volatile("bar.sync 5, 128;" ::: "memory");
+  #pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float4 v = *reinterpret_cast<const float4*>(scratch + (w * 4 + (lane & 3)) * 4);
+    row_max[0] = fmaxf(row_max[0], v.x);
+    row_max[1] = fmaxf(row_max[1], v.y);
+    row_max[2] = fmaxf(row_max[2], v.z);
+    row_max[3] = fmaxf(row_max[3], v.w);
+  }
+}
+"""
 
 
 def normalised(acc, denom, scale):

@@ -87,7 +87,7 @@ def golden_variants(target: str, only: str = "all") -> list:
         # The graph form (CUDA graphs): the split kernel reading each sequence's split count, the combine's flash form.
         add(schedule.graph_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads, q_tile=q_tile,
                                   causal=q_tile > 1, page_size=64),
-            schedule.graph_combine_config(spec, num_heads=heads))
+            *schedule.graph_combine_configs(spec, num_heads=heads))
     # The warp-specialised 16-row kernel (every format, a8w8, causal, paged) and its decode-stream kernels.
     for kv_format, q_format in MODES.values():
         add(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format))
