@@ -216,3 +216,21 @@ def test_direct_stores_leave_the_decoders_without_barriers(kv_format):
     assert schedule.ws_config(H200, kv_format="fp8").direct_stores == schedule.WS_DEFAULTS["fp8"].direct_stores
     with pytest.raises(ValueError, match="direct_stores"):
         WSDecodeKernelConfig(kv_format="bf16", direct_stores=True)
+
+
+def test_ordered_decode_keeps_the_decode_below_the_stage_wait():
+    """``ordered_decode`` (opt-in, untimed): the decoders wait for a free stage through ``mla_mbar_wait_zero`` and
+    every decode takes its 0 (so ptxas cannot hoist the decode, and with it the wait for all outstanding loads, above
+    the stage wait); the L2 prefetches move to the consumer (a decoder's divergent branch also drains its loads)."""
+    cfg = schedule.ws_config(H200, kv_format="fp8", ordered_decode=True)
+    src = jit.lower(cfg, H200).kernel_source
+    producers, consumer = producer_code(src), src[:src.index("warpgroup_reg_dealloc")]
+    assert cfg.name.endswith("_od") and cfg.l2_prefetch > 0
+    assert producers.count("mla_mbar_wait_zero(") == cfg.num_stages
+    assert "mla_fp8x16_to_bf16_z((" in producers and "mla_fp8x16_to_bf16((" not in producers  # every decode
+    assert "mla_prefetch_l2(" not in producers and "mla_prefetch_l2(" in consumer
+    default = jit.lower(schedule.ws_config(H200, kv_format="fp8"), H200).kernel_source
+    assert "mla_mbar_wait_zero" not in default  # the default kernel's source is untouched
+    for bad in (dict(kv_format="bf16"), dict(kv_format="fp8", overlap=True)):
+        with pytest.raises(ValueError, match="ordered_decode"):
+            WSDecodeKernelConfig(ordered_decode=True, **bad)

@@ -108,6 +108,40 @@ __device__ __forceinline__ void mla_e2m1x16_to_bf16(void* dst, const void* src, 
 """
 
 
+# ``ordered_decode``: the decoders' free-stage wait returns a 0 that every decode takes as an operand.
+ORDERED_CUDA_SOURCE = r"""
+// Waits for phase ``parity`` of the mbarrier at ``bar`` and returns 0, in a way the compiler cannot fold: decode
+// instructions that take it as an operand stay below the wait (ptxas otherwise hoists them above it, and with
+// them the wait for every outstanding load of the thread, which then no longer overlaps the wait for the stage).
+__device__ __forceinline__ unsigned mla_mbar_wait_zero(void* bar, unsigned parity) {
+  unsigned addr = (unsigned)__cvta_generic_to_shared(bar);
+  unsigned ok = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(ok) : "r"(addr), "r"(parity) : "memory");
+  } while (!ok);
+  return ok - 1u;
+}
+// 16 e4m3 codes (4 words) -> 16 bf16 (8 words) holding code * 2^-120; ``z`` is 0 (see mla_mbar_wait_zero).
+__device__ __forceinline__ void mla_fp8x16_to_bf16_z(void* dst, const void* src, unsigned z) {
+  const unsigned* in = (const unsigned*)src;
+  unsigned* out = (unsigned*)dst;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    unsigned lo = mla_prmt(in[i], z, 0x1404u);
+    unsigned hi = mla_prmt(in[i], z, 0x3424u);
+    out[2 * i] = (lo & 0x80008000u) | ((lo >> 4) & 0x07F007F0u);
+    out[2 * i + 1] = (hi & 0x80008000u) | ((hi >> 4) & 0x07F007F0u);
+  }
+}
+// The same after a wait: ``z`` is 0 (mla_mbar_wait_zero), folded into the codes so the decode stays below the wait.
+__device__ __forceinline__ void mla_e2m1x16_to_bf16_z(void* dst, const void* src, unsigned e, unsigned z) {
+  const unsigned* in = (const unsigned*)src;
+  unsigned codes[2] = {in[0] | z, in[1] | z};
+  mla_e2m1x16_to_bf16(dst, codes, e | z);
+}
+"""
+
 # L2 prefetch of a byte range (TMA's bulk prefetch: one instruction per contiguous range, no register, no
 # scoreboard; a hint, so nothing waits on it). The range is widened to 16-byte boundaries as the instruction needs:
 # the caching allocator's 512-byte granules keep the widened range inside mapped memory.
@@ -120,10 +154,12 @@ __device__ __forceinline__ void mla_prefetch_l2(const void* src, unsigned nbytes
 """
 
 
-def import_cuda_source(prefetch: bool = False, extra: str = ""):
+def import_cuda_source(prefetch: bool = False, ordered: bool = False, extra: str = ""):
     """Adds the device functions to the kernel being built (call once inside its ``T.Kernel``: a kernel takes one
-    imported source); ``prefetch`` adds ``mla_prefetch_l2`` too, ``extra`` any other device functions."""
-    T.import_source(CUDA_SOURCE + (PREFETCH_CUDA_SOURCE if prefetch else "") + extra)
+    imported source); ``prefetch`` adds ``mla_prefetch_l2`` too, ``ordered`` ``ORDERED_CUDA_SOURCE``, ``extra`` any
+    other device functions."""
+    T.import_source(CUDA_SOURCE + (PREFETCH_CUDA_SOURCE if prefetch else "") + (ORDERED_CUDA_SOURCE if ordered else "")
+                    + extra)
 
 
 def prefetch_l2(src, nbytes):
@@ -147,6 +183,23 @@ def fp8x16_to_bf16(dst, src):
     """16 e4m3 codes in the four local words from ``src`` -> 16 bf16 from ``dst`` (a local bf16 buffer element),
     each ``code * 2^-120`` (see the module docstring)."""
     return T.call_extern("handle", "mla_fp8x16_to_bf16", T.access_ptr(dst, "w"), T.access_ptr(src, "r"))
+
+
+def mbar_wait_zero(barrier, parity):
+    """Wait for phase ``parity`` of ``barrier`` (a barrier buffer element); returns a uint32 0 that decode calls
+    take (``*_z``) so that the compiler keeps them below the wait (``mla_mbar_wait_zero``)."""
+    return T.call_extern("uint32", "mla_mbar_wait_zero", T.access_ptr(barrier, "rw"), parity)
+
+
+def fp8x16_to_bf16_z(dst, src, z):
+    """``fp8x16_to_bf16`` kept below the wait that returned ``z``."""
+    return T.call_extern("handle", "mla_fp8x16_to_bf16_z", T.access_ptr(dst, "w"), T.access_ptr(src, "r"), z)
+
+
+def e2m1x16_to_bf16_z(dst, src, scale_byte, z):
+    """``e2m1x16_to_bf16`` kept below the wait that returned ``z``."""
+    return T.call_extern("handle", "mla_e2m1x16_to_bf16_z", T.access_ptr(dst, "w"), T.access_ptr(src, "r"),
+                         scale_byte, z)
 
 
 def smem_addr(elem):

@@ -88,6 +88,10 @@ class WSDecodeKernelConfig:
     # chunks' stores: the 8 warps in lock-step, each waiting on the slowest's loads). The ring's stages are ordered
     # by their mbarriers; no decoder reads the ring.
     direct_stores: bool = False
+    # The decoders wait for a free stage through ``dequant.mbar_wait_zero`` and feed its 0 into every decode, so
+    # ptxas cannot hoist the decode above that wait: the wait for the tile's loads then comes after the wait for the
+    # stage instead of before it (the SASS without it waits for every outstanding load first). Untimed: opt-in.
+    ordered_decode: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -103,6 +107,9 @@ class WSDecodeKernelConfig:
             raise ValueError("the warp-specialised kernel is built for 16 query rows x 64-token tiles")
         if self.kv_format != "bf16" and self.num_stages != 2:
             raise ValueError("the decoders keep two tiles in registers: fp8 / mxfp4 need num_stages == 2")
+        if self.ordered_decode and (self.kv_format == "bf16" or self.overlap):
+            raise ValueError("ordered_decode is the decoders' (fp8 / mxfp4) with the serial consumer (which then "
+                             "issues the L2 prefetches)")
         if self.direct_stores and self.kv_format == "bf16":
             raise ValueError("direct_stores is the decoders' (fp8 / mxfp4): a bf16 cache is copied, not stored")
         if self.l2_prefetch < 0:
@@ -157,7 +164,7 @@ class WSDecodeKernelConfig:
             f"_bn{self.block_n}_st{self.num_stages}_r{self.consumer_regs}-{self.producer_regs}x{self.producer_groups}"
             f"{'_causal' if self.causal else ''}{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
             f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{'_ov' if self.overlap else ''}"
-            f"{'_idle' if self.idle_producers else ''}{'_fs' if self.fast_softmax else ''}{'_sg' if self.score_group else ''}{'_dst' if self.direct_stores else ''}"
+            f"{'_idle' if self.idle_producers else ''}{'_fs' if self.fast_softmax else ''}{'_sg' if self.score_group else ''}{'_dst' if self.direct_stores else ''}{'_od' if self.ordered_decode else ''}"
         )
 
 
@@ -253,8 +260,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     @T.macro
     def prefetch_tile(k, tile):
-        """L2 prefetch of tile ``tile``'s rows (and mxfp4 scale rows): producer thread p takes run p of the tile."""
-        p = k.tx - CONSUMER_THREADS
+        """L2 prefetch of tile ``tile``'s rows (and mxfp4 scale rows): producer thread p takes run p of the tile
+        (with ``ordered_decode``, consumer thread p: a decoder's divergent branch makes ptxas wait for all of its
+        outstanding loads first)."""
+        p = k.tx if cfg.ordered_decode else k.tx - CONSUMER_THREADS
         i = p * prefetch_run
         if tile < k.num_tiles and p < block_n // prefetch_run:
             tile_lo = k.split_lo + tile * block_n
@@ -267,14 +276,16 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     @T.macro
     def prefetch_ahead(k, tile):
-        """Before tile ``tile`` waits for its stage: the prefetch of the tile ``l2_prefetch`` ahead."""
-        if cfg.l2_prefetch:
+        """Before tile ``tile`` waits for its stage: the prefetch of the tile ``l2_prefetch`` ahead (decoders)."""
+        if cfg.l2_prefetch and not cfg.ordered_decode:
             prefetch_tile(k, tile + cfg.l2_prefetch)
 
     @T.macro
     def prefetch_prologue(k, first):
-        """A pass's first prefetches: tiles ``first`` .. l2_prefetch - 1 (the loop then keeps l2_prefetch ahead)."""
-        for t in list(range(first, cfg.l2_prefetch)):
+        """A pass's first prefetches: tiles ``first`` .. l2_prefetch - 1 (the loop then keeps l2_prefetch ahead).
+        With ``ordered_decode`` the consumer issues them, one tile further ahead (it runs a tile behind the decoders):
+        tiles ``first`` .. l2_prefetch at a pass's start, tile t + l2_prefetch + 1 before it waits for tile t."""
+        for t in list(range(first, cfg.l2_prefetch + (1 if cfg.ordered_decode else 0))):
             prefetch_tile(k, t)
 
     @T.macro
@@ -345,7 +356,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         for j in list(range(CHUNKS_PER_THREAD)):
             i, dim = chunk_place(k, j)
             word = (s * CHUNKS_PER_THREAD + j) * chunk_words
-            if mxfp4:
+            if cfg.ordered_decode and mxfp4:
+                T.evaluate(dequant.e2m1x16_to_bf16_z(k.vals[0], k.raw[word], k.scale[s * CHUNKS_PER_THREAD + j],
+                                                     k.zero[0]))
+            elif cfg.ordered_decode:
+                T.evaluate(dequant.fp8x16_to_bf16_z(k.vals[0], k.raw[word], k.zero[0]))
+            elif mxfp4:
                 T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[word], k.scale[s * CHUNKS_PER_THREAD + j]))
             else:
                 T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[word]))
@@ -375,13 +391,17 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             for first in list(range(stages)):
                 if first < k.num_tiles:
                     fetch_tile(k, first, k.split_lo + first * block_n)
-            prefetch_prologue(k, stages)  # tiles 0 .. stages - 1 are already on their way into registers
+            if not cfg.ordered_decode:
+                prefetch_prologue(k, stages)  # tiles 0 .. stages - 1 are already on their way into registers
             for rnd in T.serial(k.rounds):
                 for s in list(range(stages)):  # static: stage s and register buffer s hold tiles t = s (mod 2)
                     tile = rnd * stages + s
                     tile_lo = k.split_lo + tile * block_n
                     prefetch_ahead(k, tile)
-                    T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
+                    if cfg.ordered_decode:
+                        k.zero[0] = dequant.mbar_wait_zero(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
+                    else:
+                        T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
                     if tile < k.num_tiles:
                         if tile + stages < k.num_tiles:
                             store_tile(k, s, tile_lo + stages * block_n)
@@ -592,9 +612,13 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             if cfg.overlap:
                 attend_overlapped(k, q_pass, horizon, score_scale)
             else:
+                if cfg.ordered_decode and cfg.l2_prefetch:
+                    prefetch_prologue(k, stages)
                 for rnd in T.serial(k.rounds):
                     for s in list(range(stages)):  # static: the stage picks named buffers
                         tile = rnd * stages + s
+                        if cfg.ordered_decode and cfg.l2_prefetch:
+                            prefetch_tile(k, tile + cfg.l2_prefetch + 1)
                         T.barrier_wait(k.ready[s], ring_parity(k, q_pass, rnd))
                         if tile < k.num_tiles:
                             attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale)
@@ -638,6 +662,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.scale = T.alloc_local([2 * CHUNKS_PER_THREAD], "uint32") if mxfp4 else None
             k.vals = T.alloc_local([16], bf16)
             k.ring_addr = T.alloc_local([2 * stages], "uint32") if cfg.direct_stores else None
+            k.zero = T.alloc_local([1], "uint32") if cfg.ordered_decode else None  # mbar_wait_zero's 0
 
     def consumer_state(k, qo_indptr, seq_id):
         """The consumer's Q and P tiles, accumulators and query range."""
@@ -661,7 +686,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
              num_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
-            dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0,
+            dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0, ordered=cfg.ordered_decode,
                                        extra=steps.TILE_MAX_CUDA_SOURCE if cfg.fast_softmax else "")
             k = SimpleNamespace(Q=Q, KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Q_scale=Q_scale,
                                 KV_scale=KV_scale, Page_table=Page_table, sm_scale=sm_scale, O_partial=O_partial,

@@ -56,6 +56,10 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "fsgidle": dict(fast_softmax=True, score_group=True, idle_producers=True),
     # and the decoders' stores by shared address (no barrier among the decoders)
     "fsgd": dict(fast_softmax=True, score_group=True, direct_stores=True),
+    # the decode kept below the free-stage wait (``ordered_decode``), and mxfp4 with the decoder stores by address
+    "od": dict(ordered_decode=True),
+    "dst": dict(direct_stores=True),
+    "dstod": dict(direct_stores=True, ordered_decode=True),
 }
 TIMING_ONLY = {"idle", "ovidle", "fsidle", "fsgidle", "plainidle"}
 DEFAULT_VARIANTS = "st2,st3"
