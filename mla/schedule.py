@@ -51,16 +51,14 @@ class WSDefault:
 
 
 # mxfp4 from 64 Ki tokens, flat and paged (docs/perf.md run 15, H200: 2.6x faster than the 16-row kernel at
-# 256 x 8192; slower on the small shapes, where its fused merge and one CTA per SM cost more than they save); no
-# prefetch (faster with it on an H100, slower on an H200, runs 24-25). fp8 from 512 Ki, the smallest size measured,
-# flat only (runs 24-26, H100 and H200: 1.2-1.4x faster than the 16-row kernel at 64 x 8192 and 256 x 8192; the
-# paged warp-specialised kernel is not timed for fp8), prefetching 3 tiles ahead (its decoders: 88.5% of the read
-# ceiling with 3, 79% without, 6 evicts before use). bf16 caches (whose cp.async copier the prefetch slows) and fp8 Q
-# (a8w8) keep the 16-row kernel. Decoder stores by address for fp8 (run 29, H100: 713.6 -> 601.8 us at 256 x 8192,
-# 205.8 -> 199.1 at 64 x 8192); not for mxfp4 (faster at 64 x 8192, 10% slower at 256 x 8192 in the same run).
-# With those and the consumer's one-barrier softmax (run 31, H100, same-run A/B against the 16-row kernel): fp8
-# from 256 Ki tokens (32 x 8192: 110.5 vs 145.9 us, 256 x 1024: 104.2 vs 132.8; 64 x 1024 a tie, smaller slower);
-# a8w8 from 512 Ki (64 x 8192: 210.0 vs 277.4, 256 x 8192: 650.6 vs 880.4; at 32 x 8192 slower, 201.3 vs 162.3).
+# 256 x 8192; slower on the small shapes, where its fused merge and one CTA per SM cost more than they save), bf16 Q
+# only, no prefetch (faster with it on an H100, slower on an H200, runs 24-25), no decoder stores by address (run
+# 29: faster at 64 x 8192, 10% slower at 256 x 8192). fp8, flat only (the paged WS kernel is not timed for fp8):
+# with bf16 Q from 256 Ki tokens and a8w8 from 512 Ki (run 31, H100, same-run A/B against the 16-row kernel: fp8
+# 32 x 8192 110.5 vs 145.9 us, 256 x 1024 104.2 vs 132.8, 64 x 1024 a tie; a8w8 64 x 8192 210.0 vs 277.4, 256 x
+# 8192 650.6 vs 880.4, 32 x 8192 slower), prefetching 3 tiles ahead (its decoders: 88.5% of the read ceiling with
+# 3, 79% without, 6 evicts before use; runs 24-25) and storing by address (run 30: 724 -> 606 us at 256 x 8192).
+# bf16 caches (whose cp.async copier the prefetch slows) keep the 16-row kernel.
 WS_DEFAULTS = {
     "mxfp4": WSDefault(min_tokens=64 * 1024, fp8_q_min_tokens=None, paged=True, l2_prefetch=0,
                        direct_stores=False),
@@ -391,8 +389,8 @@ def decode_variants(spec: TargetSpec, *, kv_format: str, q_format: str, num_head
 def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, causal: bool = False) -> list:
     """Every kernel the op may launch for one problem class: each mode's split and direct decode kernels, the
     combine kernel and, on CUDA (``FUSED_COMBINE_ON_CUDA``), the decode kernel with its merge fused; on
-    Hopper's 16-row class also the warp-specialised kernel of each mode that has a WS default (``ws_min_tokens``). Used to pre-build (bench.py without a GPU)
-    and to test that all of them compile."""
+    Hopper's 16-row class also the warp-specialised kernel of each mode that has a WS default (``ws_min_tokens``).
+    Used to pre-build (bench.py without a GPU) and to test that all of them compile."""
     variants = []
     for kv_format, q_format in MODES.values():
         variants += decode_variants(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile,

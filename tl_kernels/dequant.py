@@ -122,19 +122,12 @@ __device__ __forceinline__ unsigned mla_mbar_wait_zero(void* bar, unsigned parit
   } while (!ok);
   return ok - 1u;
 }
-// 16 e4m3 codes (4 words) -> 16 bf16 (8 words) holding code * 2^-120; ``z`` is 0 (see mla_mbar_wait_zero).
+// The decodes after such a wait: ``z`` (0) folded into the codes (and the scale byte), so they stay below it.
 __device__ __forceinline__ void mla_fp8x16_to_bf16_z(void* dst, const void* src, unsigned z) {
   const unsigned* in = (const unsigned*)src;
-  unsigned* out = (unsigned*)dst;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    unsigned lo = mla_prmt(in[i], z, 0x1404u);
-    unsigned hi = mla_prmt(in[i], z, 0x3424u);
-    out[2 * i] = (lo & 0x80008000u) | ((lo >> 4) & 0x07F007F0u);
-    out[2 * i + 1] = (hi & 0x80008000u) | ((hi >> 4) & 0x07F007F0u);
-  }
+  unsigned codes[4] = {in[0] | z, in[1] | z, in[2] | z, in[3] | z};
+  mla_fp8x16_to_bf16(dst, codes);
 }
-// The same after a wait: ``z`` is 0 (mla_mbar_wait_zero), folded into the codes so the decode stays below the wait.
 __device__ __forceinline__ void mla_e2m1x16_to_bf16_z(void* dst, const void* src, unsigned e, unsigned z) {
   const unsigned* in = (const unsigned*)src;
   unsigned codes[2] = {in[0] | z, in[1] | z};
@@ -179,27 +172,19 @@ def load_byte(src):
     return T.call_extern("uint32", "mla_ld_global_u8", T.access_ptr(src, "r"))
 
 
-def fp8x16_to_bf16(dst, src):
+def fp8x16_to_bf16(dst, src, z=None):
     """16 e4m3 codes in the four local words from ``src`` -> 16 bf16 from ``dst`` (a local bf16 buffer element),
-    each ``code * 2^-120`` (see the module docstring)."""
-    return T.call_extern("handle", "mla_fp8x16_to_bf16", T.access_ptr(dst, "w"), T.access_ptr(src, "r"))
-
-
-def mbar_wait_zero(barrier, parity):
-    """Wait for phase ``parity`` of ``barrier`` (a barrier buffer element); returns a uint32 0 that decode calls
-    take (``*_z``) so that the compiler keeps them below the wait (``mla_mbar_wait_zero``)."""
-    return T.call_extern("uint32", "mla_mbar_wait_zero", T.access_ptr(barrier, "rw"), parity)
-
-
-def fp8x16_to_bf16_z(dst, src, z):
-    """``fp8x16_to_bf16`` kept below the wait that returned ``z``."""
+    each ``code * 2^-120`` (see the module docstring). ``z``: the 0 of ``mbar_wait_zero``, which keeps the decode
+    below that wait (``ORDERED_CUDA_SOURCE``)."""
+    if z is None:
+        return T.call_extern("handle", "mla_fp8x16_to_bf16", T.access_ptr(dst, "w"), T.access_ptr(src, "r"))
     return T.call_extern("handle", "mla_fp8x16_to_bf16_z", T.access_ptr(dst, "w"), T.access_ptr(src, "r"), z)
 
 
-def e2m1x16_to_bf16_z(dst, src, scale_byte, z):
-    """``e2m1x16_to_bf16`` kept below the wait that returned ``z``."""
-    return T.call_extern("handle", "mla_e2m1x16_to_bf16_z", T.access_ptr(dst, "w"), T.access_ptr(src, "r"),
-                         scale_byte, z)
+def mbar_wait_zero(barrier, parity):
+    """Wait for phase ``parity`` of ``barrier`` (a barrier buffer element); returns a uint32 0 that the decodes take
+    (their ``z``) so that the compiler keeps them below the wait (``mla_mbar_wait_zero``)."""
+    return T.call_extern("uint32", "mla_mbar_wait_zero", T.access_ptr(barrier, "rw"), parity)
 
 
 def smem_addr(elem):
@@ -213,7 +198,11 @@ def store_swizzled_32(addr, src):
     return T.call_extern("handle", "mla_st_shared_swz32", addr, T.access_ptr(src, "r"))
 
 
-def e2m1x16_to_bf16(dst, src, scale_byte):
+def e2m1x16_to_bf16(dst, src, scale_byte, z=None):
     """16 e2m1 codes in the two local words from ``src`` with their block's e8m0 byte -> 16 bf16 from ``dst``,
-    each exactly ``code * 2^(e - 127)``."""
-    return T.call_extern("handle", "mla_e2m1x16_to_bf16", T.access_ptr(dst, "w"), T.access_ptr(src, "r"), scale_byte)
+    each exactly ``code * 2^(e - 127)``. ``z``: as for ``fp8x16_to_bf16``."""
+    if z is None:
+        return T.call_extern("handle", "mla_e2m1x16_to_bf16", T.access_ptr(dst, "w"), T.access_ptr(src, "r"),
+                             scale_byte)
+    return T.call_extern("handle", "mla_e2m1x16_to_bf16_z", T.access_ptr(dst, "w"), T.access_ptr(src, "r"),
+                         scale_byte, z)

@@ -10,9 +10,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from tl_kernels import steps
-from tl_kernels.mla_decode import KV_LORA_RANK
-
-LN2 = 0.6931471805599453  # ln(2): converts a base-2 LSE to natural log
+from tl_kernels.steps import KV_LORA_RANK, LN2, MERGE_SPLITS
 
 
 @dataclass(frozen=True)
@@ -92,10 +90,9 @@ def mla_combine_kernel(cfg: CombineKernelConfig):
 
 
 # The flash form's work split: a CTA per (output row, split_lanes-th of its 512 dims); in it, split_lanes adjacent
-# threads share each 4-dim chunk, lane l taking splits l, l + split_lanes, ... and issuing GROUP_SPLITS of them
-# (their LSEs and chunks) before it adds any. With 4 lanes a row of 32 splits is one round of loads per thread,
+# threads share each 4-dim chunk, lane l taking splits l, l + split_lanes, ... and issuing MERGE_SPLITS of them
+# (their LSEs and chunks; as the fused merge, ``steps.merge_splits``) before it adds any. With 4 lanes a row of 32 splits is one round of loads per thread,
 # where a CTA per row walking the splits one by one waited on a load (and on a branch on its LSE) per split.
-GROUP_SPLITS = 8
 FLASH_THREADS = 128  # KV_LORA_RANK // 4 chunks per row, over split_lanes CTAs, times split_lanes lanes
 
 
@@ -120,8 +117,8 @@ def _flash_combine(cfg: CombineKernelConfig):
         LSE: T.Tensor([batch, heads, s_q], f32),
     ):
         with T.Kernel(total_q * heads, lanes, threads=FLASH_THREADS) as (row, dim_block):
-            lse = T.alloc_local([GROUP_SPLITS], f32)  # a group's split LSEs (-inf: past the count, or empty)
-            stage = T.alloc_local([GROUP_SPLITS * 4], f32)  # a group's partial chunks
+            lse = T.alloc_local([MERGE_SPLITS], f32)  # a group's split LSEs (-inf: past the count, or empty)
+            stage = T.alloc_local([MERGE_SPLITS * 4], f32)  # a group's partial chunks
             acc = T.alloc_local([4], f32)  # this thread's splits' weighted sum of its chunk
             run_max = T.alloc_local([2], f32)  # running max LSE of this thread's splits; a group's max
             denom = T.alloc_local([1], f32)  # running sum of weights
@@ -139,10 +136,10 @@ def _flash_combine(cfg: CombineKernelConfig):
                 denom[0] = 0
                 for j in T.unroll(4):
                     acc[j] = 0
-                for group in T.serial(T.ceildiv(splits, lanes * GROUP_SPLITS)):
+                for group in T.serial(T.ceildiv(splits, lanes * MERGE_SPLITS)):
                     # The group's loads, all issued before any is used.
-                    for g in T.unroll(GROUP_SPLITS):
-                        sp = (group * GROUP_SPLITS + g) * lanes + lane
+                    for g in T.unroll(MERGE_SPLITS):
+                        sp = (group * MERGE_SPLITS + g) * lanes + lane
                         lse[g] = neg_inf
                         if sp < splits:
                             lse[g] = steps.merge_load(LSE_partial, (sp * total_q + q) * heads + h)
@@ -150,7 +147,7 @@ def _flash_combine(cfg: CombineKernelConfig):
                                           O_partial.access_ptr("r", offset=((sp * total_q + q) * heads + h)
                                                                * KV_LORA_RANK + d))
                     run_max[1] = run_max[0]
-                    for g in T.unroll(GROUP_SPLITS):
+                    for g in T.unroll(MERGE_SPLITS):
                         run_max[1] = T.max(run_max[1], lse[g])
                     # Nothing seen so far (all -inf): keep the zeros, so no (-inf) - (-inf). An empty split wrote
                     # no partial: its chunk is never read into the sum.
@@ -159,7 +156,7 @@ def _flash_combine(cfg: CombineKernelConfig):
                         denom[0] = denom[0] * rescale
                         for j in T.unroll(4):
                             acc[j] = acc[j] * rescale
-                        for g in T.unroll(GROUP_SPLITS):
+                        for g in T.unroll(MERGE_SPLITS):
                             seen = lse[g] != neg_inf
                             weight = T.if_then_else(seen, T.exp2(lse[g] - run_max[1]), 0)
                             denom[0] = denom[0] + weight

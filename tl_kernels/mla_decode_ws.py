@@ -356,15 +356,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         for j in list(range(CHUNKS_PER_THREAD)):
             i, dim = chunk_place(k, j)
             word = (s * CHUNKS_PER_THREAD + j) * chunk_words
-            if cfg.ordered_decode and mxfp4:
-                T.evaluate(dequant.e2m1x16_to_bf16_z(k.vals[0], k.raw[word], k.scale[s * CHUNKS_PER_THREAD + j],
-                                                     k.zero[0]))
-            elif cfg.ordered_decode:
-                T.evaluate(dequant.fp8x16_to_bf16_z(k.vals[0], k.raw[word], k.zero[0]))
-            elif mxfp4:
-                T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[word], k.scale[s * CHUNKS_PER_THREAD + j]))
+            z = k.zero[0] if cfg.ordered_decode else None  # keeps the decode below the free-stage wait
+            if mxfp4:
+                T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[word], k.scale[s * CHUNKS_PER_THREAD + j], z))
             else:
-                T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[word]))
+                T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[word], z))
             if next_lo is not None:
                 fetch_chunk(k, s, next_lo, j)
             if cfg.direct_stores:

@@ -59,6 +59,14 @@ def mla_split_schedule_kernel(cfg: SplitScheduleConfig):
     i32, i64 = "int32", "int64"
     batch = T.dynamic("batch")
 
+    @T.macro
+    def tree_reduce(buf, tx, combine):
+        """buf[0] = combine of buf[0 .. threads): halving steps, a barrier after each (stages 1 and 2)."""
+        for level in T.serial(threads.bit_length() - 1):
+            if tx < T.shift_right(threads, level + 1):
+                buf[tx] = combine(buf[tx], buf[tx + T.shift_right(threads, level + 1)])
+            T.sync_threads()
+
     @T.prim_func
     def mla_split_schedule(
         Cache_seqlens: T.Tensor([batch], i32),
@@ -88,10 +96,7 @@ def mla_split_schedule_kernel(cfg: SplitScheduleConfig):
                     total = total + T.cast(T.max(Cache_seqlens[i * threads + tx], 0), i64)
             sums[tx] = total
             T.sync_threads()
-            for level in T.serial(threads.bit_length() - 1):
-                if tx < T.shift_right(threads, level + 1):
-                    sums[tx] = sums[tx] + sums[tx + T.shift_right(threads, level + 1)]
-                T.sync_threads()
+            tree_reduce(sums, tx, lambda a, b: a + b)
 
             # Stage 2: the batch's split count (the host model, ``choose_num_splits``) and the tiles per split. Each
             # thread costs its own candidates (one, for 64 candidates on 256 threads) and a min-reduction of
@@ -107,10 +112,7 @@ def mla_split_schedule_kernel(cfg: SplitScheduleConfig):
                     best_key = T.min(best_key, cost * KEY_COUNTS + count)
             keys[tx] = best_key
             T.sync_threads()
-            for level in T.serial(threads.bit_length() - 1):
-                if tx < T.shift_right(threads, level + 1):
-                    keys[tx] = T.min(keys[tx], keys[tx + T.shift_right(threads, level + 1)])
-                T.sync_threads()
+            tree_reduce(keys, tx, T.min)
             best = T.if_then_else(keys[0] == KEY_NONE, 1, T.cast(keys[0] % KEY_COUNTS, i32))
             chunk = T.alloc_var(i32, init=T.max(T.ceildiv(tiles, best), 1))
 

@@ -190,8 +190,8 @@ def rescale_output(c, k):
 # 8 (e >> 2) + 2 (lane % 4) + (e & 1) of token 16 warp + lane / 4 + 8 ((e >> 1) & 1), and its 4 row values
 # (``row_max``) are heads in the order i = 2 (e >> 2) + (e & 1). Per head: the thread's 2 tokens, the 8 lanes of
 # the warp that share its heads (3 shuffles), then the 4 warps through shared memory: one named barrier (id 5, the
-# 128 threads of the warp group; the kernel's other named barriers use 1-4). The scratch is one 64-float slot per ring stage, so a slot
-# is written again only after the next tile's barrier, when every thread has read it.
+# 128 threads of the warp group; the kernel's other named barriers use 1-4). The scratch is one 64-float slot per
+# ring stage, so a slot is written again only after the next tile's barrier, when every thread has read it.
 TILE_MAX_CUDA_SOURCE = r"""
 __device__ __forceinline__ void mla_ws_tile_max(float* row_max, const float* acc, void* scratch_ptr) {
   float* scratch = static_cast<float*>(scratch_ptr);

@@ -47,21 +47,12 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "plain": dict(fast_softmax=False, score_group=False, direct_stores=False),
     "plainidle": dict(fast_softmax=False, score_group=False, direct_stores=False, idle_producers=True),
     "nodst": dict(direct_stores=False),
-    # the softmax with one barrier per tile (one tile-max exchange, the denominators reduced once per pass)
-    "fs": dict(fast_softmax=True),
-    "fsov": dict(fast_softmax=True, overlap=True),
-    "fsidle": dict(fast_softmax=True, idle_producers=True),
-    # and the score wgmma (latent + rope) waited for once
-    "fsg": dict(fast_softmax=True, score_group=True),
-    "fsgidle": dict(fast_softmax=True, score_group=True, idle_producers=True),
-    # and the decoders' stores by shared address (no barrier among the decoders)
-    "fsgd": dict(fast_softmax=True, score_group=True, direct_stores=True),
     # the decode kept below the free-stage wait (``ordered_decode``), and mxfp4 with the decoder stores by address
     "od": dict(ordered_decode=True),
     "dst": dict(direct_stores=True),
     "dstod": dict(direct_stores=True, ordered_decode=True),
 }
-TIMING_ONLY = {"idle", "ovidle", "fsidle", "fsgidle", "plainidle"}
+TIMING_ONLY = {"idle", "ovidle", "plainidle"}
 DEFAULT_VARIANTS = "st2,st3"
 
 
