@@ -33,6 +33,9 @@ WS_COMBINE_TILES_PER_SPLIT = 0.25
 # (Run 18's fused merge, by the last CTA of each group alone, cost more GPU time than the launch saves.)
 # gfx942 always uses the combine kernel.
 FUSED_COMBINE_ON_CUDA = True
+# The 16/32/64-row kernel's compressed tiles on CUDA: whole 16-code chunks loaded into registers (a flat cache's one
+# tile ahead) and decoded by bit placement (``DecodeKernelConfig.fast_decode``), not one element at a time.
+FAST_DECODE_ON_CUDA = True
 # Depth of the warp-specialised kernel's 16-bit ring: two 72 KiB stages, one CTA per SM (a third stage never helped
 # bf16, docs/perf.md run 14; the fp8 / mxfp4 decoders hold exactly two tiles in registers).
 WS_STAGES = 2
@@ -43,27 +46,30 @@ class WSDefault:
     """Where and how the op's default runs the warp-specialised kernel for one cache format (16-row class on
     Hopper; Q formats: ``WS_Q_FORMATS``)."""
 
-    min_tokens: int  # cached tokens from which the default picks it (bf16 Q)
+    min_tokens: int  # cached tokens from which the default picks it (bf16 Q, flat cache)
     fp8_q_min_tokens: int | None  # the same for fp8 Q (a8w8); None: a8w8 keeps the 16-row kernel
-    paged: bool  # also for paged caches (else flat caches only)
+    paged_min_tokens: int | None  # the same for a paged cache (bf16 Q); None: paged caches keep the 16-row kernel
     l2_prefetch: int  # ``WSDecodeKernelConfig.l2_prefetch``: tiles ahead the producers ask L2 for (0: none)
     direct_stores: bool  # ``WSDecodeKernelConfig.direct_stores``: decoder stores by address (no decoder barriers)
+    ordered_decode: bool  # ``WSDecodeKernelConfig.ordered_decode``: decodes kept below the free-stage wait
 
 
-# mxfp4 from 64 Ki tokens, flat and paged (docs/perf.md run 15, H200: 2.6x faster than the 16-row kernel at
-# 256 x 8192; slower on the small shapes, where its fused merge and one CTA per SM cost more than they save), bf16 Q
-# only, no prefetch (faster with it on an H100, slower on an H200, runs 24-25), no decoder stores by address (run
-# 29: faster at 64 x 8192, 10% slower at 256 x 8192). fp8, flat only (the paged WS kernel is not timed for fp8):
-# with bf16 Q from 256 Ki tokens and a8w8 from 512 Ki (run 31, H100, same-run A/B against the 16-row kernel: fp8
-# 32 x 8192 110.5 vs 145.9 us, 256 x 1024 104.2 vs 132.8, 64 x 1024 a tie; a8w8 64 x 8192 210.0 vs 277.4, 256 x
-# 8192 650.6 vs 880.4, 32 x 8192 slower), prefetching 3 tiles ahead (its decoders: 88.5% of the read ceiling with
-# 3, 79% without, 6 evicts before use; runs 24-25) and storing by address (run 30: 724 -> 606 us at 256 x 8192).
-# bf16 caches (whose cp.async copier the prefetch slows) keep the 16-row kernel.
+# Flat caches from 512 Ki tokens, fp8 and mxfp4, bf16 or fp8 Q: below that the 16-row kernel with its bit-placement
+# decode (``fast_decode``) is faster (run 33, H100, same-run A/B: fp8 32 x 8192 99.7 vs 109.5 us, 256 x 1024 94.6
+# vs 105.1; mxfp4 32 x 8192 107.7 vs 118.0, 64 x 1024 40.3 vs 58.8, 256 x 1024 103.6 vs 97.7; the WS kernel
+# at 64 x 8192: fp8 241 vs 270, mxfp4 187-240 vs 267). Paged mxfp4 caches from 64 Ki tokens (run 15, H200,
+# against the 16-row kernel's staged element-wise decode, which paged caches still take); paged fp8 is not timed on
+# the WS kernel. mxfp4: bf16 Q only, no prefetch (faster with it on an H100, slower on an H200, runs 24-25), decoder
+# stores by address with the decodes kept below the free-stage wait (run 34, H100: 217.7 -> 174.4 us at 64 x 8192,
+# 607.6 -> 565.8 at 256 x 8192; fp8 is slower with the latter: 179.5 -> 197.3, 607.1 -> 625.0). fp8: prefetching 3 tiles
+# ahead (its decoders: 88.5% of the read ceiling with 3, 79% without, 6 evicts before use; runs 24-25) and storing
+# by address (run 30: 724 -> 606 us at 256 x 8192). bf16 caches (whose cp.async copier the prefetch slows) keep the
+# 16-row kernel.
 WS_DEFAULTS = {
-    "mxfp4": WSDefault(min_tokens=64 * 1024, fp8_q_min_tokens=None, paged=True, l2_prefetch=0,
-                       direct_stores=False),
-    "fp8": WSDefault(min_tokens=256 * 1024, fp8_q_min_tokens=512 * 1024, paged=False, l2_prefetch=3,
-                     direct_stores=True),
+    "mxfp4": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=None, paged_min_tokens=64 * 1024, l2_prefetch=0,
+                       direct_stores=True, ordered_decode=True),
+    "fp8": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=512 * 1024, paged_min_tokens=None, l2_prefetch=3,
+                     direct_stores=True, ordered_decode=False),
 }
 # Every format: the MMA warp group's softmax with one barrier per tile and its score wgmma waited for once
 # (``fast_softmax``, ``score_group``; run 28, H100: the MMA warp group alone 525 -> 311 us at 256 x 8192).
@@ -127,9 +133,22 @@ def decode_config(
             fp8_dtype=spec.fp8_tl_dtype,
         )
         cfg = dataclasses.replace(cfg, **overrides)
+        if "fast_decode" not in overrides:
+            # A compressed tile read from global memory on CUDA: whole 16-code chunks, decoded by bit placement.
+            cfg = dataclasses.replace(cfg, fast_decode=FAST_DECODE_ON_CUDA and fast_decode_fits(cfg))
         if cfg.shared_bytes <= spec.smem_bytes:
             return cfg
     raise ValueError(f"no decode config fits {spec.smem_bytes} B of shared memory on {spec.name}")
+
+
+def fast_decode_fits(cfg: DecodeKernelConfig) -> bool:
+    """Whether ``cfg`` (with its fast_decode off) has a fast_decode form: a compressed cache read from global memory by
+    the block-level program, whose threads split the tile's latent and rope chunks evenly."""
+    try:
+        dataclasses.replace(cfg, fast_decode=True)
+    except ValueError:
+        return False
+    return True
 
 
 def _hip_decode_config(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads: int, causal: bool, split: bool,
@@ -190,16 +209,18 @@ def ws_class_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_hea
                      page_size: int) -> bool:
     """Whether the op's default may pick the warp-specialised kernel for this problem class (large enough caches:
     ``ws_by_default``)."""
-    return (ws_min_tokens(kv_format, q_format) is not None and (page_size == 0 or WS_DEFAULTS[kv_format].paged)
+    return (ws_min_tokens(kv_format, q_format, page_size) is not None
             and uses_ws(spec, num_heads=num_heads, q_tile=q_tile))
 
 
-def ws_min_tokens(kv_format: str, q_format: str) -> int | None:
-    """Cached tokens from which the default takes the warp-specialised kernel for this cache and Q format; None:
-    never (``WS_DEFAULTS``, ``WS_Q_FORMATS``)."""
+def ws_min_tokens(kv_format: str, q_format: str, page_size: int = 0) -> int | None:
+    """Cached tokens from which the default takes the warp-specialised kernel for this cache, Q format and cache
+    layout (flat: ``page_size`` 0); None: never (``WS_DEFAULTS``, ``WS_Q_FORMATS``)."""
     default = WS_DEFAULTS.get(kv_format)
     if default is None or q_format not in WS_Q_FORMATS:
         return None
+    if page_size:
+        return default.paged_min_tokens if q_format == "bf16" else None
     return default.min_tokens if q_format == "bf16" else default.fp8_q_min_tokens
 
 
@@ -207,7 +228,7 @@ def ws_by_default(spec: TargetSpec, *, kv_format: str, q_format: str, num_heads:
                   total_kv: int) -> bool:
     """Whether the op picks the warp-specialised kernel for this problem when not told (``WS_DEFAULTS``)."""
     return (ws_class_default(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile,
-                             page_size=page_size) and total_kv >= ws_min_tokens(kv_format, q_format))
+                             page_size=page_size) and total_kv >= ws_min_tokens(kv_format, q_format, page_size))
 
 
 def flash_io_variant(decode_cfg):
@@ -238,7 +259,9 @@ def ws_config(
     )
     if kv_format in WS_DEFAULTS:
         tuned = WS_DEFAULTS[kv_format]
-        cfg = dataclasses.replace(cfg, l2_prefetch=tuned.l2_prefetch, direct_stores=tuned.direct_stores)
+        # (ordered_decode has no form with the pipelined consumer: a tuning override of ``overlap`` drops it)
+        cfg = dataclasses.replace(cfg, l2_prefetch=tuned.l2_prefetch, direct_stores=tuned.direct_stores,
+                                  ordered_decode=tuned.ordered_decode and not overrides.get("overlap", False))
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.shared_bytes > spec.smem_bytes:
         raise ValueError(f"{cfg.name} needs {cfg.shared_bytes} B of shared memory; {spec.name} has {spec.smem_bytes}")

@@ -39,6 +39,10 @@ def test_variant_compiles_for_sm90a(cfg):
             # Compressed KV is read as is: the kernel's KV argument has the compressed element type.
             kv_type = "fp8_e4_t" if cfg.kv_format == "fp8" else "uchar"
             assert f"{kv_type}* __restrict__ KV" in source, f"{cfg.name}: KV is not read in its compressed form"
+            if getattr(cfg, "fast_decode", False):
+                # whole 16-code chunks decoded by bit placement (tl_kernels/dequant.py), not element by element
+                decoder = "mla_fp8x16_to_bf16(" if cfg.kv_format == "fp8" else "mla_e2m1x16_to_bf16("
+                assert decoder in source and "mla_ld_global_" in source, f"{cfg.name}: no chunk decode"
 
 
 FUSED_VARIANTS = [cfg for cfg in VARIANTS if isinstance(cfg, DecodeKernelConfig) and cfg.fused_combine]

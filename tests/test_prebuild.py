@@ -59,7 +59,7 @@ def test_fp8_page64_heads16_is_what_the_issue_names():
         "mla_combine_h16_t128_flash_l4",
         "mla_split_schedule_t256_c64",
     ]
-    assert "fp8" in schedule.WS_FORMATS and not schedule.WS_DEFAULTS["fp8"].paged
+    assert "fp8" in schedule.WS_FORMATS and schedule.WS_DEFAULTS["fp8"].paged_min_tokens is None
 
 
 def test_flat_cache_default_class_matches_kernel_variants():

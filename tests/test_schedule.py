@@ -131,3 +131,59 @@ def test_only_the_one_launch_paged_kernel_has_a_flashmla_shaped_form():
     assert schedule.flash_io_variant(ws) is None
     with pytest.raises(ValueError, match="flash_io"):
         dataclasses.replace(schedule.decode_config(H200, kv_format="bf16", page_size=64), flash_io=True)
+
+
+# ---- fast_decode: the block-level kernel's compressed tiles by bit placement ------------------------------------------
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("q_tile", [1, 2, 4])
+def test_flat_compressed_caches_decode_whole_chunks_on_cuda(kv_format, q_tile):
+    cfg = schedule.decode_config(H200, kv_format=kv_format, q_tile=q_tile)
+    assert cfg.fast_decode, f"{cfg.name}: a flat {kv_format} cache should take the bit-placement decode"
+
+
+def test_fast_decode_only_where_it_has_a_form():
+    assert not schedule.decode_config(H200, kv_format="bf16").fast_decode, "bf16 has nothing to decode"
+    paged = schedule.decode_config(H200, kv_format="fp8", page_size=64)
+    assert paged.stage_compressed and not paged.fast_decode, "a paged cache stages its rows (one element at a time)"
+    assert not schedule.decode_config(spec_for_name("gfx942"), kv_format="mxfp4").fast_decode, "gfx942: dim_split"
+    # a tuning override that stages the tile turns it off rather than failing
+    assert not schedule.decode_config(H200, kv_format="mxfp4", stage_compressed=True).fast_decode
+    assert not schedule.decode_config(H200, kv_format="mxfp4", fast_decode=False).fast_decode
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(kv_format="bf16"), "fp8 / mxfp4"),
+    (dict(kv_format="fp8", stage_compressed=True), "fp8 / mxfp4"),
+    (dict(kv_format="fp8", block_n=32, threads=256), "divide"),
+])
+def test_fast_decode_refuses_configs_without_a_form(fields, message):
+    from tl_kernels.mla_decode import DecodeKernelConfig
+
+    with pytest.raises(ValueError, match=message):
+        DecodeKernelConfig(fast_decode=True, **fields)
+
+
+@pytest.mark.parametrize("block_n, threads", [(64, 128), (32, 128), (64, 256)])
+def test_fast_decode_chunks_cover_every_element_of_the_tile_once(block_n, threads):
+    """Each thread's chunks (``_fast_chunk_place``) tile the block_n x 576 tile exactly, 16 dims each, and a warp's
+    latent chunks are one row's contiguous 512 dims (one coalesced 512-byte fp8 read)."""
+    from types import SimpleNamespace
+
+    from tl_kernels.mla_decode import LATENT_CHUNKS, ROPE_CHUNKS, _fast_chunk_place
+
+    c = SimpleNamespace(block_n=block_n, threads=threads)
+    per_thread = block_n * (LATENT_CHUNKS + ROPE_CHUNKS) // threads
+    seen = {}
+    for tx in range(threads):
+        for j in range(per_thread):
+            row, dim = _fast_chunk_place(c, tx, j)
+            assert 0 <= row < block_n and dim % 16 == 0 and 0 <= dim < 576
+            assert (row, dim) not in seen, f"chunk {(row, dim)} of two threads: {seen[(row, dim)]} and {(tx, j)}"
+            seen[(row, dim)] = (tx, j)
+    assert len(seen) == block_n * 36
+    for j in range(block_n * LATENT_CHUNKS // threads):
+        rows = {_fast_chunk_place(c, tx, j)[0] for tx in range(32)}
+        dims = sorted(_fast_chunk_place(c, tx, j)[1] for tx in range(32))
+        assert len(rows) == 1 and dims == list(range(0, 512, 16))

@@ -97,10 +97,9 @@ def test_shared_bytes_bound_the_lowered_allocation(source):
 
 
 def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
-    """The default for 16 heads x 1 query on sm_90a where it measured faster (schedule.WS_DEFAULTS: mxfp4 caches from
-    64 Ki tokens, docs/perf.md run 15; flat fp8 caches from 256 Ki with bf16 Q and from 512 Ki with fp8 Q, run 31, with
-    the L2 prefetch); the 16/32/64-row kernel elsewhere (bf16 caches, smaller caches, paged fp8, mxfp4 with fp8 Q),
-    and always on gfx942."""
+    """The default for 16 heads x 1 query on sm_90a where it measured faster (schedule.WS_DEFAULTS: flat fp8 and
+    mxfp4 caches from 512 Ki tokens, docs/perf.md run 33; paged mxfp4 from 64 Ki, run 15); the 16/32/64-row kernel
+    elsewhere (bf16 caches, smaller caches, paged fp8, mxfp4 with fp8 Q), and always on gfx942."""
     common = dict(q_format="bf16", causal=False, page_size=0)
     big = max(d.min_tokens for d in schedule.WS_DEFAULTS.values())
     for kv_format, default in schedule.WS_DEFAULTS.items():
@@ -121,10 +120,13 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
                                             **dict(common, q_format="fp8"))
         assert isinstance(cfg, WSDecodeKernelConfig) == ws and (not ws or cfg.q_format == "fp8"), total_kv
     assert schedule.ws_min_tokens("mxfp4", "fp8") is None and schedule.ws_min_tokens("bf16", "bf16") is None
-    for kv_format in schedule.WS_FORMATS:  # paged caches: only the formats measured paged
-        cfg, _, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
-                                            total_kv=big, **dict(common, page_size=64))
-        assert isinstance(cfg, WSDecodeKernelConfig) == schedule.WS_DEFAULTS[kv_format].paged, kv_format
+    for kv_format in schedule.WS_FORMATS:  # paged caches: only the formats measured paged, from their own threshold
+        paged_min = schedule.WS_DEFAULTS[kv_format].paged_min_tokens
+        for total_kv in (big, paged_min or big, (paged_min or big) - 1):
+            cfg, _, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
+                                                total_kv=total_kv, **dict(common, page_size=64))
+            ws = paged_min is not None and total_kv >= paged_min
+            assert isinstance(cfg, WSDecodeKernelConfig) == ws, (kv_format, total_kv)
     for heads, total_q in ((32, 8), (16, 16)):  # more heads, or two queries per sequence: the 32/64-row kernel
         cfg, _, _ = schedule.select_kernels(H200, kv_format="mxfp4", num_heads=heads, batch=8, total_q=total_q,
                                             total_kv=big, **common)
@@ -206,27 +208,37 @@ def test_fast_softmax_exchanges_each_tile_max_once(overlap):
 def test_direct_stores_leave_the_decoders_without_barriers(kv_format):
     """``direct_stores``: the decoders store each chunk by its shared address (taken once per stage through the
     ring's layout), so TileLang's barrier planner puts no barrier among them (without it: one before most chunks'
-    stores, the 8 decoder warps in lock-step); the schedule turns it on for fp8."""
+    stores, the 8 decoder warps in lock-step); the schedule turns it on for fp8 and mxfp4. (Counted in the ring
+    loop: ``ordered_decode``'s shared 0 puts one before it.)"""
     on = schedule.ws_config(H200, kv_format=kv_format, direct_stores=True)
     off = schedule.ws_config(H200, kv_format=kv_format, direct_stores=False)
-    decoder_barriers = lambda src: len(re.findall(r"__sync_thread_partial\(\d+, 256\)", producer_code(src)))  # noqa: E731
+
+    def decoder_barriers(src):
+        ring_loop = producer_code(src)[producer_code(src).index("for (int rnd"):]
+        return len(re.findall(r"__sync_thread_partial\(\d+, 256\)", ring_loop))
+
     on_src = jit.lower(on, H200).kernel_source
     assert decoder_barriers(on_src) == 0 and "mla_st_shared_swz32(" in producer_code(on_src)
     assert decoder_barriers(jit.lower(off, H200).kernel_source) > 0
-    assert schedule.ws_config(H200, kv_format="fp8").direct_stores == schedule.WS_DEFAULTS["fp8"].direct_stores
+    assert schedule.ws_config(H200, kv_format=kv_format).direct_stores == schedule.WS_DEFAULTS[kv_format].direct_stores
     with pytest.raises(ValueError, match="direct_stores"):
         WSDecodeKernelConfig(kv_format="bf16", direct_stores=True)
 
 
 def test_ordered_decode_keeps_the_decode_below_the_stage_wait():
-    """``ordered_decode`` (opt-in, untimed): the decoders wait for a free stage through ``mla_mbar_wait_zero`` and
-    every decode takes its 0 (so ptxas cannot hoist the decode, and with it the wait for all outstanding loads, above
-    the stage wait); the L2 prefetches move to the consumer (a decoder's divergent branch also drains its loads)."""
+    """``ordered_decode`` (mxfp4's default, docs/perf.md run 34): the decoders wait for a free stage through
+    ``mla_mbar_wait_zero`` and every decode takes its 0 (so ptxas cannot hoist the decode, and with it the wait for
+    all outstanding loads, above the stage wait); the 0 is a shared word each decoder writes itself and the wait
+    reads after its acquire (a 0 derived from the wait's predicate was miscompiled: run 33); the L2 prefetches move
+    to the consumer (a decoder's divergent branch also drains its loads)."""
     cfg = schedule.ws_config(H200, kv_format="fp8", ordered_decode=True)
     src = jit.lower(cfg, H200).kernel_source
     producers, consumer = producer_code(src), src[:src.index("warpgroup_reg_dealloc")]
     assert cfg.name.endswith("_od") and cfg.l2_prefetch > 0
-    assert producers.count("mla_mbar_wait_zero(") == cfg.num_stages
+    waits = re.findall(r"mla_mbar_wait_zero\((.*)\);", producers)
+    assert len(waits) == cfg.num_stages and all(w.count(",") == 2 for w in waits)  # barrier, parity, the shared 0
+    zero_word = re.search(r"\(&\(\(\(uint\*\)(\w+)\)\[0\]\)\)\)?$", waits[0]).group(1)
+    assert re.search(rf"\(\(uint\*\){zero_word}\)\[0\] = \(uint\)0;", producers), "each decoder writes the 0"
     assert "mla_fp8x16_to_bf16_z((" in producers and "mla_fp8x16_to_bf16((" not in producers  # every decode
     assert "mla_prefetch_l2(" not in producers and "mla_prefetch_l2(" in consumer
     default = jit.lower(schedule.ws_config(H200, kv_format="fp8"), H200).kernel_source
@@ -234,3 +246,7 @@ def test_ordered_decode_keeps_the_decode_below_the_stage_wait():
     for bad in (dict(kv_format="bf16"), dict(kv_format="fp8", overlap=True)):
         with pytest.raises(ValueError, match="ordered_decode"):
             WSDecodeKernelConfig(ordered_decode=True, **bad)
+    # the defaults: mxfp4 with it (and with the stores by address), fp8 without; a pipelined-consumer override drops it
+    assert schedule.ws_config(H200, kv_format="mxfp4").ordered_decode == schedule.WS_DEFAULTS["mxfp4"].ordered_decode
+    assert schedule.WS_DEFAULTS["mxfp4"].ordered_decode and not schedule.WS_DEFAULTS["fp8"].ordered_decode
+    assert not schedule.ws_config(H200, kv_format="mxfp4", overlap=True).ordered_decode

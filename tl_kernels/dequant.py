@@ -110,17 +110,19 @@ __device__ __forceinline__ void mla_e2m1x16_to_bf16(void* dst, const void* src, 
 
 # ``ordered_decode``: the decoders' free-stage wait returns a 0 that every decode takes as an operand.
 ORDERED_CUDA_SOURCE = r"""
-// Waits for phase ``parity`` of the mbarrier at ``bar`` and returns 0, in a way the compiler cannot fold: decode
-// instructions that take it as an operand stay below the wait (ptxas otherwise hoists them above it, and with
-// them the wait for every outstanding load of the thread, which then no longer overlaps the wait for the stage).
-__device__ __forceinline__ unsigned mla_mbar_wait_zero(void* bar, unsigned parity) {
+// Waits for phase ``parity`` of the mbarrier at ``bar``, then returns the word at ``zero_word`` (shared memory, always
+// 0): decode instructions that take it as an operand stay below the wait (ptxas otherwise hoists them above it, and
+// with them the wait for every outstanding load of the thread, which then no longer overlaps the wait for the
+// stage). The 0 is a shared load ordered after the wait's acquire, not a value derived from the wait's predicate:
+// ptxas 13.0 turned such a value into a uniform predicate that only the wait's retry path set, so a wait that
+// succeeded at once returned garbage (docs/perf.md, run 33).
+__device__ __forceinline__ unsigned mla_mbar_wait_zero(void* bar, unsigned parity, const void* zero_word) {
   unsigned addr = (unsigned)__cvta_generic_to_shared(bar);
-  unsigned ok = 0;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(ok) : "r"(addr), "r"(parity) : "memory");
-  } while (!ok);
-  return ok - 1u;
+  asm volatile("{\n .reg .pred p;\n LAB_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+               " @!p bra LAB_WAIT;\n}" :: "r"(addr), "r"(parity) : "memory");
+  unsigned z;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(z) : "r"((unsigned)__cvta_generic_to_shared(zero_word)) : "memory");
+  return z;
 }
 // The decodes after such a wait: ``z`` (0) folded into the codes (and the scale byte), so they stay below it.
 __device__ __forceinline__ void mla_fp8x16_to_bf16_z(void* dst, const void* src, unsigned z) {
@@ -181,10 +183,12 @@ def fp8x16_to_bf16(dst, src, z=None):
     return T.call_extern("handle", "mla_fp8x16_to_bf16_z", T.access_ptr(dst, "w"), T.access_ptr(src, "r"), z)
 
 
-def mbar_wait_zero(barrier, parity):
-    """Wait for phase ``parity`` of ``barrier`` (a barrier buffer element); returns a uint32 0 that the decodes take
-    (their ``z``) so that the compiler keeps them below the wait (``mla_mbar_wait_zero``)."""
-    return T.call_extern("uint32", "mla_mbar_wait_zero", T.access_ptr(barrier, "rw"), parity)
+def mbar_wait_zero(barrier, parity, zero_word):
+    """Wait for phase ``parity`` of ``barrier`` (a barrier buffer element); returns ``zero_word`` (a shared uint32
+    element holding 0), read after the wait, a 0 the decodes take (their ``z``) so that the compiler keeps them below
+    the wait (``mla_mbar_wait_zero``)."""
+    return T.call_extern("uint32", "mla_mbar_wait_zero", T.access_ptr(barrier, "rw"), parity,
+                         T.access_ptr(zero_word, "r"))
 
 
 def smem_addr(elem):

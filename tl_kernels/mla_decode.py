@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from tl_kernels import steps
+from tl_kernels import dequant, steps
 from tl_kernels.mla_decode_gfx942 import (  # noqa: F401  (the lane maps: re-exported for the tests' NumPy model)
     DIM_SPLIT_SHAPE,
     DS_DIMS,
@@ -60,6 +60,10 @@ from tl_kernels.steps import (  # noqa: F401  (AMAX_FLOOR, LOG2E, MERGE_SPLITS: 
 )
 
 
+LATENT_CHUNKS = KV_LORA_RANK // dequant.CHUNK  # fast_decode: 16-code chunks per row, latent part (32)
+ROPE_CHUNKS = ROPE_DIM // dequant.CHUNK  # and rope part (4)
+
+
 @dataclass(frozen=True)
 class DecodeKernelConfig:
     """Everything that changes the generated code of the decode kernel."""
@@ -80,6 +84,10 @@ class DecodeKernelConfig:
     page_size: int = 0  # 0: flat cache (sequence b owns rows kv_indptr[b]:kv_indptr[b+1]); else tokens per page
     stage_compressed: bool = False  # True copies the compressed tile to shared memory (async) before dequantizing
     # it; False dequantizes straight from global memory (faster on the H200, docs/perf.md run 3; less LDS)
+    fast_decode: bool = False  # CUDA, compressed tile read from global memory: each thread loads whole 16-code
+    # chunks into registers (all of the tile's loads in flight together; a flat cache's one tile ahead, during the
+    # MMAs of the tile before) and decodes them by bit placement (tl_kernels/dequant.py, as the warp-specialised
+    # kernel's decoders); False: one element at a time
     fp8_dtype: str = "float8_e4m3fn"  # "float8_e4m3fnuz" on gfx942
     row_table_scope: str = "shared"  # paged: the row table as a static shared array, which the compiler knows
     # cannot alias the dynamic tile buffers, so it hoists the row loads ("shared.dyn": 10-40% slower, run 12)
@@ -114,6 +122,13 @@ class DecodeKernelConfig:
             raise ValueError("flash_io needs fused_combine or split_counts, and a paged cache (page_size > 0)")
         if self.split_counts and not (self.flash_io and self.split and not self.fused_combine):
             raise ValueError("split_counts needs flash_io and split=True without fused_combine")
+        if self.fast_decode:
+            if self.kv_format == "bf16" or self.stage_compressed or self.dim_split:
+                raise ValueError("fast_decode needs an fp8 / mxfp4 cache read from global memory (not "
+                                 "stage_compressed) and the block-level program (not dim_split)")
+            if (self.block_n * LATENT_CHUNKS) % self.threads or (self.block_n * ROPE_CHUNKS) % self.threads:
+                raise ValueError(f"fast_decode needs threads={self.threads} to divide the tile's latent and rope "
+                                 f"chunks ({self.block_n} x {LATENT_CHUNKS} and {self.block_n} x {ROPE_CHUNKS})")
 
     @property
     def block_m(self) -> int:
@@ -143,7 +158,8 @@ class DecodeKernelConfig:
         else:
             staged = self.block_n * kv_cols * self.num_stages if self.stage_compressed else 0  # 1 byte / element
             kv = bf16_tile + staged
-        scales = self.block_n * MXFP4_SCALES_PER_TOKEN * 4 * self.num_stages if self.kv_format == "mxfp4" else 0
+        scales = (self.block_n * MXFP4_SCALES_PER_TOKEN * 4 * self.num_stages
+                  if self.kv_format == "mxfp4" and not self.fast_decode else 0)
         reduce_workspace = 3 * 1024  # row max / row sum scratch of the reductions
         tile_rows = 4 * self.block_n * self.tiles_per_group if self.page_size else 0  # paged: the group's cache rows
         return 2 * QK_DIM * self.block_m + kv + scales + 2 * self.block_m * self.block_n + reduce_workspace + tile_rows
@@ -160,7 +176,7 @@ class DecodeKernelConfig:
             f"{f'_page{self.page_size}' if self.page_size else ''}{'_kvm' if self.kv_rows_as_m else ''}"
             f"{'_rows' + self.row_table_scope.replace('.', '') if self.row_table_scope != 'shared' and self.page_size else ''}"
             f"{'_ds' if self.dim_split else ''}{'_f8mma' if self.fp8_mfma else ''}{'_fused' if self.fused_combine else ''}{'_flash' if self.flash_io else ''}"
-            f"{'_counts' if self.split_counts else ''}_{fp8}"
+            f"{'_counts' if self.split_counts else ''}{'_fd' if self.fast_decode else ''}_{fp8}"
         )
 
 
@@ -218,7 +234,11 @@ def _context(cfg: DecodeKernelConfig) -> SimpleNamespace:
                         q_tile=cfg.q_tile, threads=cfg.threads, head_groups=cfg.num_heads // cfg.block_h,
                         fused=cfg.fused_combine, flash_io=cfg.flash_io,
                         flat_partials=cfg.fused_combine or cfg.split_counts,
-                        staged=cfg.kv_format != "bf16" and cfg.stage_compressed, deferred_sum=False)
+                        staged=cfg.kv_format != "bf16" and cfg.stage_compressed, deferred_sum=False,
+                        fast_decode=cfg.fast_decode,
+                        fast_chunks=cfg.block_n * (LATENT_CHUNKS + ROPE_CHUNKS) // cfg.threads,
+                        # a flat cache's next rows are known in place: its loads go one tile ahead
+                        fast_prefetch=cfg.fast_decode and not cfg.page_size and cfg.tiles_per_group == 1)
     c.kv_cols, c.kv_dtype = _kv_storage(cfg)
     c.q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
     if cfg.flash_io:  # every sequence has s_q queries; rows are (sequence, query) pairs
@@ -306,41 +326,108 @@ def _load_q_rows(c, k, v, Q, q_pass, hg):
         k.Qpe_shared[r, d] = _q_element(c, Q, v.q_begin, v.q_len, v.q_scale, q_pass, hg, r, KV_LORA_RANK + d)
 
 
+def _fast_chunk_place(c, tx, j):
+    """fast_decode: (tile row, first dim) of thread ``tx``'s chunk j. Latent chunks first: a warp takes one row's 32
+    chunks (its 512 latent dims, contiguous in the cache); then rope chunks, 4 per row."""
+    latent_per_thread = c.block_n * LATENT_CHUNKS // c.threads
+    if j < latent_per_thread:
+        g = tx + j * c.threads
+        return g // LATENT_CHUNKS, g % LATENT_CHUNKS * dequant.CHUNK
+    g = tx + (j - latent_per_thread) * c.threads
+    return g // ROPE_CHUNKS, KV_LORA_RANK + g % ROPE_CHUNKS * dequant.CHUNK
+
+
+def _fast_decode_buffers(c) -> dict:
+    """fast_decode's registers: the thread's chunks of a tile (32-bit code words; mxfp4 scale bytes), one decoded
+    chunk, and the thread index."""
+    mxfp4 = c.cfg.kv_format == "mxfp4"
+    words = dequant.MXFP4_CHUNK_WORDS if mxfp4 else dequant.FP8_CHUNK_WORDS
+    return dict(raw=T.alloc_local([c.fast_chunks * words], "uint32"),
+                scale=T.alloc_local([c.fast_chunks], "uint32") if mxfp4 else None,
+                vals=T.alloc_local([dequant.CHUNK], "bfloat16"), tx=T.get_thread_binding())
+
+
 @T.macro
-def _load_kv_tile(c, k, KV, KV_scales, scale_stride, row_of):
+def _fast_fetch(c, k, KV, KV_scales, scale_stride, row_of):
+    # Stage 2a (fast_decode): the thread's chunks of a tile into registers, every load issued before any is used.
+    mxfp4 = c.cfg.kv_format == "mxfp4"
+    words = dequant.MXFP4_CHUNK_WORDS if mxfp4 else dequant.FP8_CHUNK_WORDS
+    for j in list(range(c.fast_chunks)):
+        i, dim = _fast_chunk_place(c, k.tx, j)
+        row = row_of(i)
+        if mxfp4:
+            T.evaluate(dequant.load_vector(k.raw[j * words], KV[row, dim // 2], 8))
+            k.scale[j] = dequant.load_byte(KV_scales[row * scale_stride + dim // MXFP4_BLOCK])
+        else:
+            T.evaluate(dequant.load_vector(k.raw[j * words], KV[row, dim], 16))
+
+
+@T.macro
+def _fast_store(c, k):
+    # Stage 2b (fast_decode): each chunk decoded by bit placement and stored as 16 bf16. fp8 decodes to
+    # code * 2^-120: the factor is folded into score_scale and out_scale.
+    mxfp4 = c.cfg.kv_format == "mxfp4"
+    words = dequant.MXFP4_CHUNK_WORDS if mxfp4 else dequant.FP8_CHUNK_WORDS
+    latent_per_thread = c.block_n * LATENT_CHUNKS // c.threads
+    for j in list(range(c.fast_chunks)):
+        i, dim = _fast_chunk_place(c, k.tx, j)
+        if mxfp4:
+            T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[j * words], k.scale[j]))
+        else:
+            T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[j * words]))
+        if j < latent_per_thread:
+            for e in T.vectorized(dequant.CHUNK):
+                k.KV_shared[i, dim + e] = k.vals[e]
+        else:
+            for e in T.vectorized(dequant.CHUNK):
+                k.Kpe_shared[i, dim - KV_LORA_RANK + e] = k.vals[e]
+
+
+@T.macro
+def _load_kv_tile(c, k, KV, KV_scales, scale_stride, row_of, has_next, next_row_of):
     # Stage 2: the KV tile as bf16 in shared memory: a bf16 cache copied, fp8 / mxfp4 dequantized on the way.
+    # fast_prefetch: this tile's chunks are already in registers; the next tile's loads (``has_next``: there is
+    # one; ``next_row_of``: its rows) are issued as soon as they are decoded, so they fly during this tile's MMAs.
     cfg, block_n, bf16 = c.cfg, c.block_n, "bfloat16"
     if cfg.kv_format == "bf16":
         for i, d in T.Parallel(block_n, KV_LORA_RANK):
             k.KV_shared[i, d] = KV[row_of(i), d]
         for i, d in T.Parallel(block_n, ROPE_DIM):
             k.Kpe_shared[i, d] = KV[row_of(i), KV_LORA_RANK + d]
-    elif c.staged:
-        for i, col in T.Parallel(block_n, c.kv_cols):
-            k.KV_raw[i, col] = KV[row_of(i), col]
-    if cfg.kv_format == "fp8":
-        # fp8 -> bf16 is exact; the per-tensor scale is applied to scores and output instead.
-        for i, d in T.Parallel(block_n, KV_LORA_RANK):
-            k.KV_shared[i, d] = T.cast(_compressed(c, k.KV_raw, row_of, i, d), bf16)
-        for i, d in T.Parallel(block_n, ROPE_DIM):
-            k.Kpe_shared[i, d] = T.cast(_compressed(c, k.KV_raw, row_of, i, KV_LORA_RANK + d), bf16)
-    if cfg.kv_format == "mxfp4":
-        # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127; 255 is NaN).
-        for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
-            e = T.cast(KV_scales[row_of(i) * scale_stride + b], "int32")
-            k.Block_scale[i, b] = T.if_then_else(
-                e == 0,
-                T.float32(5.877471754111438e-39),
-                T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.shift_left(e, 23)), "float32"),
-            )
-        # Values = e2m1 code * power-of-two scale: exact in bf16. Latent and rope parts are separate loops (one
-        # conditional store per element defeats TileLang's vectorizer).
-        for i, d in T.Parallel(block_n, KV_LORA_RANK):
-            k.KV_shared[i, d] = T.cast(_mxfp4_element(c, k.KV_raw, row_of, k.Block_scale, i, d), bf16)
-        for i, d in T.Parallel(block_n, ROPE_DIM):
-            k.Kpe_shared[i, d] = T.cast(
-                _mxfp4_element(c, k.KV_raw, row_of, k.Block_scale, i, KV_LORA_RANK + d), bf16
-            )
+    elif c.fast_prefetch:
+        _fast_store(c, k)
+        if has_next:
+            _fast_fetch(c, k, KV, KV_scales, scale_stride, next_row_of)
+    elif c.fast_decode:
+        _fast_fetch(c, k, KV, KV_scales, scale_stride, row_of)
+        _fast_store(c, k)
+    else:
+        if c.staged:
+            for i, col in T.Parallel(block_n, c.kv_cols):
+                k.KV_raw[i, col] = KV[row_of(i), col]
+        if cfg.kv_format == "fp8":
+            # fp8 -> bf16 is exact; the per-tensor scale is applied to scores and output instead.
+            for i, d in T.Parallel(block_n, KV_LORA_RANK):
+                k.KV_shared[i, d] = T.cast(_compressed(c, k.KV_raw, row_of, i, d), bf16)
+            for i, d in T.Parallel(block_n, ROPE_DIM):
+                k.Kpe_shared[i, d] = T.cast(_compressed(c, k.KV_raw, row_of, i, KV_LORA_RANK + d), bf16)
+        if cfg.kv_format == "mxfp4":
+            # e8m0 byte e -> 2^(e - 127), built from its bits (e == 0 is the subnormal 2^-127; 255 is NaN).
+            for i, b in T.Parallel(block_n, MXFP4_SCALES_PER_TOKEN):
+                e = T.cast(KV_scales[row_of(i) * scale_stride + b], "int32")
+                k.Block_scale[i, b] = T.if_then_else(
+                    e == 0,
+                    T.float32(5.877471754111438e-39),
+                    T.reinterpret(T.if_then_else(e == 255, 0x7FC00000, T.shift_left(e, 23)), "float32"),
+                )
+            # Values = e2m1 code * power-of-two scale: exact in bf16. Latent and rope parts are separate loops (one
+            # conditional store per element defeats TileLang's vectorizer).
+            for i, d in T.Parallel(block_n, KV_LORA_RANK):
+                k.KV_shared[i, d] = T.cast(_mxfp4_element(c, k.KV_raw, row_of, k.Block_scale, i, d), bf16)
+            for i, d in T.Parallel(block_n, ROPE_DIM):
+                k.Kpe_shared[i, d] = T.cast(
+                    _mxfp4_element(c, k.KV_raw, row_of, k.Block_scale, i, KV_LORA_RANK + d), bf16
+                )
 
 
 @T.macro
@@ -438,7 +525,7 @@ def _block_body(c):
             else:
                 KV_raw = KV  # not staged: _compressed() reads global memory
             Block_scale = None
-            if cfg.kv_format == "mxfp4":
+            if cfg.kv_format == "mxfp4" and not c.fast_decode:
                 Block_scale = T.alloc_shared([block_n, MXFP4_SCALES_PER_TOKEN], f32)
             P_shared = T.alloc_shared([block_m, block_n], bf16)
             # Paged: the cache rows of the current group of tiles (flat kernels compute rows in place).
@@ -454,8 +541,15 @@ def _block_body(c):
             rescale = T.alloc_fragment([block_m], f32)
             row_sum = T.alloc_fragment([block_m], f32)
             denom = T.alloc_fragment([block_m], f32)
-            if c.fused:
+            # One imported device source per kernel: the decoders' (fast_decode) with the merge's, or the merge's.
+            if c.fast_decode:
+                dequant.import_cuda_source(extra=steps.MERGE_CUDA_SOURCE if c.fused else "")
+            elif c.fused:
                 T.import_source(steps.MERGE_CUDA_SOURCE)
+            fast = {}
+            if c.fast_decode:  # the thread's chunks of a tile: codes (32-bit words), mxfp4 scale bytes, one decode
+                fast = _fast_decode_buffers(c)
+            if c.fused:
                 merge_acc = T.alloc_local([4], f32)  # the merged chunk (weighted sum)
                 merge_lse = T.alloc_local([MERGE_SPLITS], f32)  # a step's splits' LSEs
                 merge_stage = T.alloc_local([MERGE_SPLITS * 4], f32)  # a step's splits' partial chunks
@@ -467,7 +561,7 @@ def _block_body(c):
             k = SimpleNamespace(Q_shared=Q_shared, Qpe_shared=Qpe_shared, KV_shared=KV_shared, Kpe_shared=Kpe_shared,
                                 KV_raw=KV_raw, Block_scale=Block_scale, P_shared=P_shared, acc_s=acc_s, acc_o=acc_o,
                                 row_max=row_max, row_max_prev=row_max_prev, row_max_safe=row_max_safe,
-                                rescale=rescale, row_sum=row_sum, denom=denom)
+                                rescale=rescale, row_sum=row_sum, denom=denom, **fast)
 
             # Per-CTA scalars, computed once (registers), not re-derived in every index expression.
             if cfg.split_counts:
@@ -502,8 +596,10 @@ def _block_body(c):
             q_scale = T.alloc_var(f32, init=steps.q_scale_of(
                 cfg.q_format, cfg.fp8_dtype, steps.merge_load(Q_scale, 0) if cfg.amax_in_kernel else Q_scale[0]))
             # Scores are scaled once, in base 2; fp8 per-tensor scales of Q and K fold in here.
-            score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * KV_scale[0])
-            out_scale = T.alloc_var(f32, init=KV_scale[0])
+            # (fast_decode's fp8 tiles hold code * 2^-120: FP8_BF16_FACTOR folds in with the scale.)
+            decode_factor = dequant.FP8_BF16_FACTOR if c.fast_decode and cfg.kv_format == "fp8" else 1.0
+            score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * KV_scale[0] * decode_factor)
+            out_scale = T.alloc_var(f32, init=KV_scale[0] * decode_factor)
             v = SimpleNamespace(q_begin=q_begin, q_len=q_len, kv_len=kv_len, split_hi=split_hi, q_scale=q_scale,
                                 score_scale=score_scale)
 
@@ -513,6 +609,10 @@ def _block_body(c):
                 T.fill(denom, 0)
                 T.fill(row_max, -T.infinity(f32))
 
+                if c.fast_prefetch:  # the first tile's chunks into registers (the loop decodes, then fetches ahead)
+                    if num_tiles > 0:
+                        _fast_fetch(c, k, KV, KV_scales, scale_stride,
+                                    _tile_rows(c, Group_rows, 0, kv_begin, split_lo, split_hi))
                 # The KV loop: groups of ``tiles_per_group`` tiles, each group a software pipeline of static
                 # length (TileLang 0.1.15 cannot pipeline a loop whose trip count varies per CTA). Tiles past the
                 # split's end are fully masked and change nothing.
@@ -527,7 +627,9 @@ def _block_body(c):
                     for t_in in T.Pipelined(cfg.tiles_per_group, num_stages=cfg.num_stages):
                         tile_lo = split_lo + (group * cfg.tiles_per_group + t_in) * block_n
                         row_of = _tile_rows(c, Group_rows, t_in, kv_begin, tile_lo, split_hi)
-                        _load_kv_tile(c, k, KV, KV_scales, scale_stride, row_of)
+                        next_row_of = _tile_rows(c, Group_rows, t_in, kv_begin, tile_lo + block_n, split_hi)
+                        _load_kv_tile(c, k, KV, KV_scales, scale_stride, row_of, tile_lo + block_n < split_hi,
+                                      next_row_of)
                         _scores(c, k, v, tile_lo, q_pass)
                         # Stage 4: the online-softmax step (base 2).
                         steps.online_softmax_step(c, k)

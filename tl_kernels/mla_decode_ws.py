@@ -376,6 +376,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def decode_tiles(k):
         """fp8 / mxfp4: tiles t and t + 1 are loaded ahead; per tile, wait for a free stage, decode into it."""
         T.set_max_nreg(cfg.producer_regs, 0)
+        if cfg.ordered_decode:
+            # The shared 0 that mbar_wait_zero reads after each wait, written by every decoder thread itself (all
+            # write 0, so each one's later reads see 0 with no barrier between the roles).
+            k.zero_word[0] = 0
         if cfg.direct_stores:
             # Per stage, the shared addresses of this thread's chunk 0 (latent) and rope chunk, once.
             for s in list(range(stages)):
@@ -395,7 +399,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     tile_lo = k.split_lo + tile * block_n
                     prefetch_ahead(k, tile)
                     if cfg.ordered_decode:
-                        k.zero[0] = dequant.mbar_wait_zero(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
+                        k.zero[0] = dequant.mbar_wait_zero(k.free[s], ring_parity(k, q_pass, rnd) ^ 1,
+                                                           k.zero_word[0])
                     else:
                         T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
                     if tile < k.num_tiles:
@@ -659,6 +664,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.vals = T.alloc_local([16], bf16)
             k.ring_addr = T.alloc_local([2 * stages], "uint32") if cfg.direct_stores else None
             k.zero = T.alloc_local([1], "uint32") if cfg.ordered_decode else None  # mbar_wait_zero's 0
+            k.zero_word = T.alloc_shared([1], "uint32") if cfg.ordered_decode else None  # the shared 0 it reads
 
     def consumer_state(k, qo_indptr, seq_id):
         """The consumer's Q and P tiles, accumulators and query range."""

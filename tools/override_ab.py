@@ -24,7 +24,7 @@ from mla.constants import MODES  # noqa: E402
 from mla.target import spec_for_name  # noqa: E402
 
 SHAPES = "4x1024,4x8192,32x1024,32x8192,64x1024,64x8192,256x1024,256x8192"
-BOOL_FIELDS = {"deferred_sum", "fast_softmax", "ws", "overlap", "fused_combine", "rows"}
+BOOL_FIELDS = {"deferred_sum", "fast_softmax", "ws", "overlap", "fused_combine", "rows", "fast_decode"}
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:
