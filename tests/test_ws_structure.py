@@ -51,8 +51,9 @@ def test_compressed_tiles_are_decoded_by_bit_placement_outside_the_mma_warps(sou
     if cfg.kv_format == "bf16":
         pytest.skip("a bf16 cache needs no decode")
     decode = {"fp8": "mla_fp8x16_to_bf16", "mxfp4": "mla_e2m1x16_to_bf16"}[cfg.kv_format]
+    decode += "_z((" if cfg.ordered_decode else "(("  # ordered_decode's decodes take the wait's 0
     consumer, producers = src[: src.index("warpgroup_reg_dealloc")], producer_code(src)
-    assert decode + "((" in producers and decode + "((" not in consumer, "the decode belongs to the producers"
+    assert decode in producers and decode not in consumer, "the decode belongs to the producers"
     assert "__tl_cvt" not in producers and "cvt." not in producers, f"{cfg.name}: a conversion instruction in the decode"
     assert "wgmma" not in producers, "the decoders must not issue MMAs"
     # one 16-byte (fp8) / 8-byte (mxfp4) vector load per 16 codes, nine per thread and tile: the prologue's two
