@@ -173,7 +173,7 @@ def test_fast_decode_chunks_cover_every_element_of_the_tile_once(block_n, thread
 
     from tl_kernels.mla_decode import LATENT_CHUNKS, ROPE_CHUNKS, _fast_chunk_place
 
-    c = SimpleNamespace(block_n=block_n, threads=threads)
+    c = SimpleNamespace(block_n=block_n, threads=threads, fast_latent_chunks=block_n * LATENT_CHUNKS // threads)
     per_thread = block_n * (LATENT_CHUNKS + ROPE_CHUNKS) // threads
     seen = {}
     for tx in range(threads):

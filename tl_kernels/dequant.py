@@ -24,6 +24,8 @@ Loads: ``mla_ld_global_16`` / ``_8`` read whole vectors of the cache into regist
 
 import tilelang.language as T
 
+from tl_kernels.steps import MXFP4_BLOCK
+
 FP8_BF16_FACTOR = 2.0**120  # mla_fp8x16_to_bf16 yields code * 2^-120: scores and outputs are scaled back by this
 CHUNK = 16  # codes per decode call (one 16-byte fp8 vector, one 8-byte mxfp4 vector)
 FP8_CHUNK_WORDS = 4  # 32-bit words of one fp8 chunk
@@ -172,6 +174,29 @@ def load_vector(dst, src, nbytes: int):
 def load_byte(src):
     """One byte of a global buffer (e.g. an e8m0 scale) as uint32."""
     return T.call_extern("uint32", "mla_ld_global_u8", T.access_ptr(src, "r"))
+
+
+def chunk_words(kv_format: str) -> int:
+    """32-bit words of one 16-code chunk of ``kv_format`` ("fp8" or "mxfp4")."""
+    return MXFP4_CHUNK_WORDS if kv_format == "mxfp4" else FP8_CHUNK_WORDS
+
+
+@T.macro
+def load_chunk(kv_format, raw, scale, scale_index, KV, KV_scales, scale_stride, row, dim):
+    """Issue the loads of the 16-code chunk at (cache ``row``, element ``dim``) into the local words from ``raw``
+    (a local buffer element) and, for mxfp4, its block's scale byte into ``scale[scale_index]``."""
+    if kv_format == "mxfp4":
+        T.evaluate(load_vector(raw, KV[row, dim // 2], 8))
+        scale[scale_index] = load_byte(KV_scales[row * scale_stride + dim // MXFP4_BLOCK])
+    else:
+        T.evaluate(load_vector(raw, KV[row, dim], 16))
+
+
+def decode_chunk(kv_format, dst, src, scale_byte=None, z=None):
+    """One chunk of ``kv_format`` decoded: ``fp8x16_to_bf16`` or ``e2m1x16_to_bf16`` (``scale_byte``: mxfp4's)."""
+    if kv_format == "mxfp4":
+        return e2m1x16_to_bf16(dst, src, scale_byte, z)
+    return fp8x16_to_bf16(dst, src, z)
 
 
 def fp8x16_to_bf16(dst, src, z=None):

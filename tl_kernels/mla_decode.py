@@ -237,6 +237,7 @@ def _context(cfg: DecodeKernelConfig) -> SimpleNamespace:
                         staged=cfg.kv_format != "bf16" and cfg.stage_compressed, deferred_sum=False,
                         fast_decode=cfg.fast_decode,
                         fast_chunks=cfg.block_n * (LATENT_CHUNKS + ROPE_CHUNKS) // cfg.threads,
+                        fast_latent_chunks=cfg.block_n * LATENT_CHUNKS // cfg.threads,
                         # a flat cache's next rows are known in place: its loads go one tile ahead
                         fast_prefetch=cfg.fast_decode and not cfg.page_size and cfg.tiles_per_group == 1)
     c.kv_cols, c.kv_dtype = _kv_storage(cfg)
@@ -329,11 +330,10 @@ def _load_q_rows(c, k, v, Q, q_pass, hg):
 def _fast_chunk_place(c, tx, j):
     """fast_decode: (tile row, first dim) of thread ``tx``'s chunk j. Latent chunks first: a warp takes one row's 32
     chunks (its 512 latent dims, contiguous in the cache); then rope chunks, 4 per row."""
-    latent_per_thread = c.block_n * LATENT_CHUNKS // c.threads
-    if j < latent_per_thread:
+    if j < c.fast_latent_chunks:
         g = tx + j * c.threads
         return g // LATENT_CHUNKS, g % LATENT_CHUNKS * dequant.CHUNK
-    g = tx + (j - latent_per_thread) * c.threads
+    g = tx + (j - c.fast_latent_chunks) * c.threads
     return g // ROPE_CHUNKS, KV_LORA_RANK + g % ROPE_CHUNKS * dequant.CHUNK
 
 
@@ -341,8 +341,7 @@ def _fast_decode_buffers(c) -> dict:
     """fast_decode's registers: the thread's chunks of a tile (32-bit code words; mxfp4 scale bytes), one decoded
     chunk, and the thread index."""
     mxfp4 = c.cfg.kv_format == "mxfp4"
-    words = dequant.MXFP4_CHUNK_WORDS if mxfp4 else dequant.FP8_CHUNK_WORDS
-    return dict(raw=T.alloc_local([c.fast_chunks * words], "uint32"),
+    return dict(raw=T.alloc_local([c.fast_chunks * dequant.chunk_words(c.cfg.kv_format)], "uint32"),
                 scale=T.alloc_local([c.fast_chunks], "uint32") if mxfp4 else None,
                 vals=T.alloc_local([dequant.CHUNK], "bfloat16"), tx=T.get_thread_binding())
 
@@ -350,32 +349,22 @@ def _fast_decode_buffers(c) -> dict:
 @T.macro
 def _fast_fetch(c, k, KV, KV_scales, scale_stride, row_of):
     # Stage 2a (fast_decode): the thread's chunks of a tile into registers, every load issued before any is used.
-    mxfp4 = c.cfg.kv_format == "mxfp4"
-    words = dequant.MXFP4_CHUNK_WORDS if mxfp4 else dequant.FP8_CHUNK_WORDS
+    words = dequant.chunk_words(c.cfg.kv_format)
     for j in list(range(c.fast_chunks)):
         i, dim = _fast_chunk_place(c, k.tx, j)
-        row = row_of(i)
-        if mxfp4:
-            T.evaluate(dequant.load_vector(k.raw[j * words], KV[row, dim // 2], 8))
-            k.scale[j] = dequant.load_byte(KV_scales[row * scale_stride + dim // MXFP4_BLOCK])
-        else:
-            T.evaluate(dequant.load_vector(k.raw[j * words], KV[row, dim], 16))
+        dequant.load_chunk(c.cfg.kv_format, k.raw[j * words], k.scale, j, KV, KV_scales, scale_stride, row_of(i), dim)
 
 
 @T.macro
 def _fast_store(c, k):
     # Stage 2b (fast_decode): each chunk decoded by bit placement and stored as 16 bf16. fp8 decodes to
     # code * 2^-120: the factor is folded into score_scale and out_scale.
-    mxfp4 = c.cfg.kv_format == "mxfp4"
-    words = dequant.MXFP4_CHUNK_WORDS if mxfp4 else dequant.FP8_CHUNK_WORDS
-    latent_per_thread = c.block_n * LATENT_CHUNKS // c.threads
+    words = dequant.chunk_words(c.cfg.kv_format)
     for j in list(range(c.fast_chunks)):
         i, dim = _fast_chunk_place(c, k.tx, j)
-        if mxfp4:
-            T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[j * words], k.scale[j]))
-        else:
-            T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[j * words]))
-        if j < latent_per_thread:
+        T.evaluate(dequant.decode_chunk(c.cfg.kv_format, k.vals[0], k.raw[j * words],
+                                        k.scale[j] if c.cfg.kv_format == "mxfp4" else None))
+        if j < c.fast_latent_chunks:
             for e in T.vectorized(dequant.CHUNK):
                 k.KV_shared[i, dim + e] = k.vals[e]
         else:

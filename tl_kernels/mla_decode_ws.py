@@ -37,7 +37,7 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from tl_kernels import dequant, steps
-from tl_kernels.steps import KV_FORMATS, KV_LORA_RANK, LN2, LOG2E, MXFP4_BLOCK, Q_FORMATS, QK_DIM, ROPE_DIM
+from tl_kernels.steps import KV_FORMATS, KV_LORA_RANK, LN2, LOG2E, Q_FORMATS, QK_DIM, ROPE_DIM
 WARP_GROUP = 128  # threads of one warp group (setmaxnreg and wgmma work per warp group)
 CONSUMER_THREADS = WARP_GROUP
 # Registers per lane that the roles' setmaxnreg budgets may sum to: the SM has 64 Ki (512 per lane of a warp-group
@@ -206,7 +206,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     ready_count = producer_threads
     # fp8 tiles hold code * 2^-120 (tl_kernels.dequant): the factor returns in the score and output scales.
     decode_factor = dequant.FP8_BF16_FACTOR if cfg.kv_format == "fp8" else 1.0
-    chunk_words = dequant.MXFP4_CHUNK_WORDS if mxfp4 else dequant.FP8_CHUNK_WORDS
+    chunk_words = dequant.chunk_words(cfg.kv_format)
 
     total_q = T.dynamic("total_q")
     cache_rows = T.dynamic("cache_rows")
@@ -337,11 +337,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         i, dim = chunk_place(k, j)
         row = cache_row(k, tile_pos(k, tile_lo, i))
         word = (buf * CHUNKS_PER_THREAD + j) * chunk_words
-        if mxfp4:
-            T.evaluate(dequant.load_vector(k.raw[word], k.KV[row, dim // 2], 8))
-            k.scale[buf * CHUNKS_PER_THREAD + j] = dequant.load_byte(k.KV_scales[row * k.scale_stride + dim // MXFP4_BLOCK])
-        else:
-            T.evaluate(dequant.load_vector(k.raw[word], k.KV[row, dim], 16))
+        dequant.load_chunk(cfg.kv_format, k.raw[word], k.scale, buf * CHUNKS_PER_THREAD + j, k.KV, k.KV_scales,
+                           k.scale_stride, row, dim)
 
     @T.macro
     def fetch_tile(k, buf, tile_lo):
@@ -357,10 +354,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             i, dim = chunk_place(k, j)
             word = (s * CHUNKS_PER_THREAD + j) * chunk_words
             z = k.zero[0] if cfg.ordered_decode else None  # keeps the decode below the free-stage wait
-            if mxfp4:
-                T.evaluate(dequant.e2m1x16_to_bf16(k.vals[0], k.raw[word], k.scale[s * CHUNKS_PER_THREAD + j], z))
-            else:
-                T.evaluate(dequant.fp8x16_to_bf16(k.vals[0], k.raw[word], z))
+            T.evaluate(dequant.decode_chunk(cfg.kv_format, k.vals[0], k.raw[word],
+                                            k.scale[s * CHUNKS_PER_THREAD + j] if mxfp4 else None, z))
             if next_lo is not None:
                 fetch_chunk(k, s, next_lo, j)
             if cfg.direct_stores:
