@@ -102,3 +102,31 @@ def test_every_e2m1_code_at_every_e8m0_scale(e):
     words = packed.numpy().view(np.uint32).reshape(-1, 2)  # two 16-code chunks
     got = bf16_words_to_float(model_e2m1x16(words, np.full(len(words), e))).reshape(-1)
     np.testing.assert_array_equal(got, expected)  # NaN where expected NaN (e == 255), exact elsewhere
+
+
+def test_a8w8_q_multiplied_by_the_reciprocal_rounds_to_bf16_as_division_does():
+    """tl_kernels.steps.round_q_to_fp8 multiplies by inv = RN(1 / s) where torch's quantizer divides by s; both
+    are then rounded to bf16 (and on to e4m3 from that bf16, the same step for both). The claim, in NumPy's IEEE
+    float32: bf16(x * inv) == bf16(x / s) for every positive finite bf16 x up to amax (x < 0 mirrors it), with
+    s = bf16(amax / 448) over amax of every bf16 exponent and random mantissas (all-ones ones included). Dropping
+    the reciprocal's precision (inv rounded to bf16) breaks it: checked too, so this test can fail."""
+    x = (np.arange(1, 0x7F80, dtype=np.uint32) << 16).view(np.float32)  # every positive finite bf16
+    rng = np.random.default_rng(0)
+    exponents = rng.integers(0x01, 0xFF, 3000, dtype=np.uint32) << 23
+    mantissas = np.where(np.arange(3000) % 2 == 0, rng.integers(0, 0x80, 3000, dtype=np.uint32), 0x7F) << 16
+    amax = np.maximum((exponents | mantissas).view(np.float32), np.float32(9.992007221626409e-13))  # AMAX_FLOOR
+
+    def bf16(v):  # float32 -> bf16 (round to nearest even), as float32
+        b = v.view(np.uint32).astype(np.uint64)
+        return (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+    mismatches = {"inv": 0, "bf16 inv": 0}
+    with np.errstate(over="ignore", under="ignore"):
+        for s in np.unique(bf16((amax / np.float32(448.0)).astype(np.float32))):
+            xs = x[x <= s * np.float32(448.0)]
+            want = bf16(xs / s)
+            inv = np.float32(1.0) / s
+            mismatches["inv"] += int((bf16(xs * inv) != want).sum())
+            mismatches["bf16 inv"] += int((bf16(xs * bf16(np.array([inv]))[0]) != want).sum())
+    assert mismatches["inv"] == 0
+    assert mismatches["bf16 inv"] > 0

@@ -276,9 +276,9 @@ def _row_head(c, hg, r):
     return hg * c.block_h + r % c.block_h
 
 
-def _q_element(c, Q, q_begin, q_len, q_scale, q_pass, hg, r, d):
+def _q_element(c, Q, v, q_pass, hg, r, d):
     """Q row r of the pass, dim d, as bf16 (``steps.q_value``: 0 past the queries, a8w8 rounded to fp8 values)."""
-    return steps.q_value(Q, q_begin, q_len, _row_query(c, q_pass, r), _row_head(c, hg, r), d, q_scale,
+    return steps.q_value(Q, v.q_begin, v.q_len, _row_query(c, q_pass, r), _row_head(c, hg, r), d, v.q_inv,
                          q_format=c.cfg.q_format, fp8_dtype=c.cfg.fp8_dtype)
 
 
@@ -322,9 +322,9 @@ def _mxfp4_element(c, src, row_of, Block_scale, i, d):
 def _load_q_rows(c, k, v, Q, q_pass, hg):
     # Stage 1: the pass's Q rows (row r = query q_pass*q_tile + r // block_h, head hg*block_h + r % block_h).
     for r, d in T.Parallel(c.block_m, KV_LORA_RANK):
-        k.Q_shared[r, d] = _q_element(c, Q, v.q_begin, v.q_len, v.q_scale, q_pass, hg, r, d)
+        k.Q_shared[r, d] = _q_element(c, Q, v, q_pass, hg, r, d)
     for r, d in T.Parallel(c.block_m, ROPE_DIM):
-        k.Qpe_shared[r, d] = _q_element(c, Q, v.q_begin, v.q_len, v.q_scale, q_pass, hg, r, KV_LORA_RANK + d)
+        k.Qpe_shared[r, d] = _q_element(c, Q, v, q_pass, hg, r, KV_LORA_RANK + d)
 
 
 def _fast_chunk_place(c, tx, j):
@@ -455,13 +455,16 @@ def _accumulate_pv(c, k):
 
 
 @T.macro
-def _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg):
+def _write_output(c, Out, LSE, acc_o, denom, row_max, factor, out_scale, q_begin, q_len, q_pass, hg):
     # Stage 6: the final bf16 output and natural-log LSE of one query pass. denom == 0 means nothing was visible:
-    # output 0, LSE -inf (FlashMLA's +inf with flash_io).
+    # output 0, LSE -inf (FlashMLA's +inf with flash_io). ``factor``: a free [block_m] fragment for the rows'
+    # output factors.
+    for r in T.Parallel(c.block_m):
+        factor[r] = steps.output_factor(denom[r], out_scale)
     for r, d in T.Parallel(c.block_m, KV_LORA_RANK):
         qi = _row_query(c, q_pass, r)
         if qi < q_len:
-            value = steps.normalised(acc_o[c.tr(r, d)], denom[r], out_scale)
+            value = steps.normalised(acc_o[c.tr(r, d)], denom[r], factor[r])
             Out[q_begin + qi, _row_head(c, hg, r), d] = T.cast(value, "bfloat16")
     for r in T.Parallel(c.block_m):
         qi = _row_query(c, q_pass, r)
@@ -474,12 +477,15 @@ def _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len,
 
 
 @T.macro
-def _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg, split_id):
+def _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, factor, out_scale, q_begin, q_len, q_pass, hg,
+                   split_id):
     # Stage 6 (split): one split's normalised fp32 output and base-2 LSE (-inf for a split that saw nothing).
+    for r in T.Parallel(c.block_m):
+        factor[r] = steps.output_factor(denom[r], out_scale)
     for r, d in T.Parallel(c.block_m, KV_LORA_RANK):
         qi = _row_query(c, q_pass, r)
         if qi < q_len:
-            value = steps.normalised(acc_o[c.tr(r, d)], denom[r], out_scale)
+            value = steps.normalised(acc_o[c.tr(r, d)], denom[r], factor[r])
             if c.flat_partials:
                 O_partial[steps.partial_row(c, split_id, q_begin + qi, _row_head(c, hg, r)) * KV_LORA_RANK + d] = value
             else:
@@ -546,6 +552,8 @@ def _block_body(c):
                 merge_denom = T.alloc_local([1], f32)  # running sum of weights
                 if cfg.amax_in_kernel:
                     Amax_bits = T.alloc_shared([1], "int32")  # the CTA's amax(|Q|) slice, as float bits
+                    # a thread's Q vectors in flight
+                    Amax_vals = T.alloc_local([steps.AMAX_UNROLL * steps.AMAX_VECTOR], "bfloat16")
                 tx = T.get_thread_binding()
             k = SimpleNamespace(Q_shared=Q_shared, Qpe_shared=Qpe_shared, KV_shared=KV_shared, Kpe_shared=Kpe_shared,
                                 KV_raw=KV_raw, Block_scale=Block_scale, P_shared=P_shared, acc_s=acc_s, acc_o=acc_o,
@@ -581,7 +589,7 @@ def _block_body(c):
             # a8w8: the per-tensor Q scale from amax, rounded to bf16 as torch computes it (amax / fp8_max in bf16);
             # with ``amax_in_kernel`` the amax this kernel reduces into Q_scale (read through L2 after the barrier).
             if cfg.amax_in_kernel:
-                steps.reduce_amax(c, Q, Q_scale, Amax_bits, n_splits, tx, split_id, seq_id, hg)
+                steps.reduce_amax(c, Q, Q_scale, Amax_bits, Amax_vals, n_splits, tx, split_id, seq_id, hg)
             q_scale = T.alloc_var(f32, init=steps.q_scale_of(
                 cfg.q_format, cfg.fp8_dtype, steps.merge_load(Q_scale, 0) if cfg.amax_in_kernel else Q_scale[0]))
             # Scores are scaled once, in base 2; fp8 per-tensor scales of Q and K fold in here.
@@ -589,8 +597,9 @@ def _block_body(c):
             decode_factor = dequant.FP8_BF16_FACTOR if c.fast_decode and cfg.kv_format == "fp8" else 1.0
             score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * KV_scale[0] * decode_factor)
             out_scale = T.alloc_var(f32, init=KV_scale[0] * decode_factor)
+            q_inv = T.alloc_var(f32, init=steps.q_inverse(q_scale)) if cfg.q_format == "fp8" else None
             v = SimpleNamespace(q_begin=q_begin, q_len=q_len, kv_len=kv_len, split_hi=split_hi, q_scale=q_scale,
-                                score_scale=score_scale)
+                                q_inv=q_inv, score_scale=score_scale)
 
             for q_pass in T.serial(T.ceildiv(q_len, c.q_tile)):
                 _load_q_rows(c, k, v, Q, q_pass, hg)
@@ -627,21 +636,24 @@ def _block_body(c):
                 # Stage 6: normalise and write: the output (one split), or this split's partial.
                 if c.fused:
                     if n_splits == 1:
-                        _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
+                        _write_output(c, Out, LSE, acc_o, denom, row_max, rescale, out_scale, q_begin, q_len,
+                                      q_pass, hg)
                     else:
-                        _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len,
-                                       q_pass, hg, split_id)
+                        _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, rescale, out_scale,
+                                       q_begin, q_len, q_pass, hg, split_id)
                 elif cfg.split_counts:  # one split: the output itself; more: the partial the combine merges
                     if seq_splits == 1:
-                        _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
+                        _write_output(c, Out, LSE, acc_o, denom, row_max, rescale, out_scale, q_begin, q_len,
+                                      q_pass, hg)
                     else:
-                        _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len,
-                                       q_pass, hg, split_id)
+                        _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, rescale, out_scale,
+                                       q_begin, q_len, q_pass, hg, split_id)
                 elif cfg.split:
-                    _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, out_scale, q_begin, q_len,
-                                   q_pass, hg, split_id)
+                    _write_partial(c, O_partial, LSE_partial, acc_o, denom, row_max, rescale, out_scale,
+                                   q_begin, q_len, q_pass, hg, split_id)
                 else:
-                    _write_output(c, Out, LSE, acc_o, denom, row_max, out_scale, q_begin, q_len, q_pass, hg)
+                    _write_output(c, Out, LSE, acc_o, denom, row_max, rescale, out_scale, q_begin, q_len, q_pass,
+                                  hg)
 
             # Stage 7 (fused_combine, several splits; n_splits is the same in every CTA, so all reach the barrier).
             if c.fused:

@@ -22,6 +22,7 @@ from tl_kernels.steps import (
     LOG2E,
     MXFP4_SCALES_PER_TOKEN,
     kv_storage,
+    q_inverse,
     q_scale_of,
     round_q_to_fp8,
     split_chunk,
@@ -230,7 +231,7 @@ def dim_split_body(cfg, dims: dict):
 
     def q_rounded(st, value):
         if cfg.q_format == "fp8":
-            return round_q_to_fp8(value, st.q_scale, cfg.fp8_dtype)
+            return round_q_to_fp8(value, st.q_inv, cfg.fp8_dtype)
         return value
 
     @T.macro
@@ -436,6 +437,7 @@ def dim_split_body(cfg, dims: dict):
             split_hi = T.alloc_var("int32", init=T.min(split_lo + chunk, kv_len))
             num_tiles = T.alloc_var("int32", init=tile_count(split_lo, split_hi, block_n))
             q_scale = T.alloc_var(f32, init=q_scale_of(cfg.q_format, cfg.fp8_dtype, Q_scale[0]))
+            q_inv = T.alloc_var(f32, init=q_inverse(q_scale)) if cfg.q_format == "fp8" else None
             score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * KV_scale[0])
             out_scale = T.alloc_var(f32, init=KV_scale[0])
             st = SimpleNamespace(
@@ -443,7 +445,7 @@ def dim_split_body(cfg, dims: dict):
                 sc_word=sc_word, sc_shift=sc_shift, rows=rows, q_op=q_op,
                 k_op=k_op, v_pairs=v_pairs, q_tmp=q_tmp, s_acc=s_acc, m_all=m_all, p_one=p_one, p_op=p_op, v_op=v_op, acc_o=acc_o, split_lo=split_lo,
                 split_hi=split_hi, kv_begin=kv_begin, kv_len=kv_len, q_len=q_len, seq_id=seq_id, Page_table=Page_table,
-                KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, score_scale=score_scale, q_scale=q_scale, VT=VT, S_part=S_part, M_part=M_part, P_tot=P_tot, s_sum=s_sum,
+                KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, score_scale=score_scale, q_scale=q_scale, q_inv=q_inv, VT=VT, S_part=S_part, M_part=M_part, P_tot=P_tot, s_sum=s_sum,
                 row_max_new=row_max_new, row_max=row_max, row_safe=row_safe, rescale=rescale,
                 denom=denom,
             )

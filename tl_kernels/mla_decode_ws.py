@@ -237,10 +237,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         of the accumulator's fragments, so each thread writes and reads back contiguous pairs of rows."""
         return (((split * total_q + qi) * head_groups + hg) * KV_LORA_RANK + d) * block_m + r
 
-    def q_value(k, q_scale, qi, h, d):
+    def q_value(k, q_inv, qi, h, d):
         """Q[query qi, head h, dim d] as bf16 (``steps.q_value``: 0 past the sequence's queries; a8w8 rounds it to
         fp8 values exactly as torch's per-tensor quantizer does)."""
-        return steps.q_value(k.Q, k.q_begin, k.q_len, qi, h, d, q_scale, q_format=cfg.q_format,
+        return steps.q_value(k.Q, k.q_begin, k.q_len, qi, h, d, q_inv, q_format=cfg.q_format,
                              fp8_dtype=cfg.fp8_dtype)
 
     softmax_ctx = SimpleNamespace(block_m=block_m, block_n=block_n, token_axis=0, kv_major_loops=True,
@@ -418,12 +418,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     # -------------------------------------------------------------------------------------------- consumer
 
     @T.macro
-    def load_q(k, q_pass, q_scale):
+    def load_q(k, q_pass, q_inv):
         """This pass's Q rows (row r = head hg * block_h + r of query q_pass) into shared memory."""
         for r, d in T.Parallel(block_m, KV_LORA_RANK):
-            k.Q_lat[r, d] = q_value(k, q_scale, q_pass, k.hg * block_h + r, d)
+            k.Q_lat[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, d)
         for r, d in T.Parallel(block_m, ROPE_DIM):
-            k.Q_rope[r, d] = q_value(k, q_scale, q_pass, k.hg * block_h + r, KV_LORA_RANK + d)
+            k.Q_rope[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, KV_LORA_RANK + d)
 
     def tile_max_scratch(k, s):
         """``fast_softmax``: the address of stage ``s``'s slot of the tile-max scratch; else None (TileLang's
@@ -591,11 +591,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def consume_tiles(k):
         T.set_max_nreg(cfg.consumer_regs, 1)
         q_scale = T.alloc_var(f32, init=steps.q_scale_of(cfg.q_format, cfg.fp8_dtype, k.Q_scale[0]))
+        q_inv = T.alloc_var(f32, init=steps.q_inverse(q_scale)) if cfg.q_format == "fp8" else None
         # One multiply per score: sm_scale, log2(e), the fp8 per-tensor scales of Q and K, the decode's factor.
         score_scale = T.alloc_var(f32, init=k.sm_scale * LOG2E * q_scale * k.KV_scale[0] * decode_factor)
         out_scale = T.alloc_var(f32, init=k.KV_scale[0] * decode_factor)
         for q_pass in T.serial(k.num_passes):
-            load_q(k, q_pass, q_scale)
+            load_q(k, q_pass, q_inv)
             T.fill(k.acc_o, 0)
             T.fill(k.denom, 0)
             if cfg.fast_softmax:

@@ -74,20 +74,31 @@ def q_scale_of(q_format: str, fp8_dtype: str, q_scale_arg):
     return q_scale_arg
 
 
-def round_q_to_fp8(value, q_scale, fp8_dtype: str):
+def q_inverse(q_scale):
+    """a8w8: 1 / q_scale, divided once per thread: each Q element is then multiplied by it (``round_q_to_fp8``)."""
+    return T.float32(1.0) / q_scale
+
+
+def round_q_to_fp8(value, q_inv, fp8_dtype: str):
     """a8w8: one Q element rounded to fp8 exactly as torch's per-tensor quantizer does: bf16(q / scale), clamped to
-    the format's range, to e4m3."""
+    the format's range, to e4m3. The division is a multiply by ``q_inv`` (``q_inverse`` of the scale), with the same
+    bf16 result for every bf16 q and scale: q * RN(1 / scale) is within 2^-23 (relative) of q / scale, while a
+    quotient of two 8-bit significands is never a bf16 midpoint and never within 2^-17 of one (m1 / m2 = M / 2^k,
+    M odd of 9 bits, needs M | m1 < M), so both round to the same bf16 (tests/test_dequant.py checks every bf16 q
+    against a sweep of scales). A scale of inf (an inf in Q) gives q * 0, which is q / inf (+-0; NaN for a
+    non-finite q). IEEE division compiled to a reciprocal, a range check and a slow-path branch per element,
+    serialising the a8w8 Q rows' rounding."""
     fp8_max = FP8_MAX[fp8_dtype]
-    scaled = T.cast(T.cast(T.cast(value, "float32") / q_scale, "bfloat16"), "float32")
+    scaled = T.cast(T.cast(T.cast(value, "float32") * q_inv, "bfloat16"), "float32")
     return T.cast(T.clamp(scaled, -fp8_max, fp8_max), fp8_dtype)
 
 
-def q_value(Q, q_begin, q_len, qi, head, d, q_scale, *, q_format: str, fp8_dtype: str):
+def q_value(Q, q_begin, q_len, qi, head, d, q_inv, *, q_format: str, fp8_dtype: str):
     """Q[query qi of the sequence, head, dim d] as bf16, 0 past the sequence's queries (the row is clamped, so the
-    load stays in bounds); a8w8 rounds it to fp8 values (``round_q_to_fp8``)."""
+    load stays in bounds); a8w8 rounds it to fp8 values (``round_q_to_fp8``; ``q_inv``: ``q_inverse``, else unused)."""
     value = Q[q_begin + T.min(qi, q_len - 1), head, d]
     if q_format == "fp8":
-        value = round_q_to_fp8(value, q_scale, fp8_dtype)
+        value = round_q_to_fp8(value, q_inv, fp8_dtype)
     return T.if_then_else(qi < q_len, T.cast(value, "bfloat16"), T.cast(0, "bfloat16"))
 
 
@@ -220,9 +231,15 @@ __device__ __forceinline__ void mla_ws_tile_max(float* row_max, const float* acc
 """
 
 
-def normalised(acc, denom, scale):
-    """A finished accumulator element: acc * scale / denom, 0 where nothing was visible (denom == 0)."""
-    return T.if_then_else(denom > 0, acc * scale / denom, 0)
+def output_factor(denom, scale):
+    """A row's output factor scale / denom (0 where nothing was visible, denom == 0), divided once per row: an IEEE
+    division per output element cost 1.3-4 us per call in the 16-row kernel (docs/perf.md, run 39)."""
+    return T.if_then_else(denom > 0, scale / denom, 0)
+
+
+def normalised(acc, denom, factor):
+    """A finished accumulator element: acc times its row's ``output_factor``, 0 where nothing was visible."""
+    return T.if_then_else(denom > 0, acc * factor, 0)
 
 
 def lse_base2(denom, row_max, empty):
@@ -334,25 +351,34 @@ def merge_splits(c, O_partial, LSE_partial, Out, LSE, n_splits, merge_acc, merge
                     )
 
 
+AMAX_VECTOR = 8  # bf16 elements per 16-byte load (576 = 72 x 8: a vector never crosses a Q row)
+AMAX_UNROLL = 4  # vectors a thread loads before it reduces them: a CTA's slice of <= 4 x threads vectors in one trip
+
+
 @T.macro
-def reduce_amax(c, Q, Amax_cell, Amax_bits, n_splits, tx, split_id, seq_id, hg):
+def reduce_amax(c, Q, Amax_cell, Amax_bits, Amax_vals, n_splits, tx, split_id, seq_id, hg):
     # a8w8 with the merge fused (``amax_in_kernel``): amax(|Q|) over the whole Q tensor: each CTA takes an equal
-    # slice of its elements, the CTA's maximum goes into the zeroed cell by an integer atomic max on the float bits
-    # (|q| >= 0, so their order is the floats'; a NaN's bits exceed inf's, so NaN wins as in torch's amax); after
-    # the grid barrier every CTA reads the total through L2 (``merge_load``). Exact: the same amax as torch's.
+    # slice of its 16-byte vectors, each thread loads AMAX_UNROLL of them into ``Amax_vals`` before reducing (all
+    # its loads in flight at once: one memory round trip at the harness's sizes, not one per element step), the
+    # CTA's maximum goes into the zeroed cell by an integer atomic max on the float bits (|q| >= 0, so their order is
+    # the floats'; a NaN's bits exceed inf's, so NaN wins as in torch's amax); after the grid barrier every CTA
+    # reads the total through L2 (``merge_load``). Vectors past the tensor are clamped to its last one: any element
+    # of Q may join any CTA's maximum. Exact: the same amax as torch's.
     heads = c.heads
     n_ctas = n_splits * c.num_seqs * c.head_groups
     cta = (hg * c.num_seqs + seq_id) * n_splits + split_id
-    total = c.total_q * heads * QK_DIM
+    total = c.total_q * (heads * QK_DIM // AMAX_VECTOR)  # vectors
     per_cta = T.ceildiv(total, n_ctas)
-    lo = cta * per_cta
-    hi = T.min(lo + per_cta, total)
     bits = T.alloc_var("int32", init=0)
-    for step in T.serial(T.ceildiv(T.max(hi - lo, 0), c.threads)):
-        at = lo + step * c.threads + tx
-        if at < hi:
-            value = T.abs(T.cast(Q[at // (heads * QK_DIM), at // QK_DIM % heads, at % QK_DIM], "float32"))
-            bits = T.max(bits, T.reinterpret(value, "int32"))
+    for step in T.serial(T.ceildiv(per_cta, c.threads * AMAX_UNROLL)):
+        for u in T.unroll(AMAX_UNROLL):
+            vec = T.min(cta * per_cta + (step * AMAX_UNROLL + u) * c.threads + tx, total - 1)
+            row_vecs = QK_DIM // AMAX_VECTOR
+            for e in T.vectorized(AMAX_VECTOR):
+                Amax_vals[u * AMAX_VECTOR + e] = Q[vec // (heads * row_vecs), vec // row_vecs % heads,
+                                                   vec % row_vecs * AMAX_VECTOR + e]
+        for i in T.unroll(AMAX_UNROLL * AMAX_VECTOR):
+            bits = T.max(bits, T.reinterpret(T.abs(T.cast(Amax_vals[i], "float32")), "int32"))
     if tx == 0:
         Amax_bits[0] = 0
     T.sync_threads()
