@@ -85,7 +85,7 @@ def round_q_to_fp8(value, q_inv, fp8_dtype: str):
     bf16 result for every bf16 q and scale: q * RN(1 / scale) is within 2^-23 (relative) of q / scale, while a
     quotient of two 8-bit significands is never a bf16 midpoint and never within 2^-17 of one (m1 / m2 = M / 2^k,
     M odd of 9 bits, needs M | m1 < M), so both round to the same bf16 (tests/test_dequant.py checks every bf16 q
-    against a sweep of scales). A scale of inf (an inf in Q) gives q * 0, which is q / inf (+-0; NaN for a
+    against a sweep of scales; a subnormal quotient, where the 2^-23 bound fails, rounds to fp8 0 either way). A scale of inf (an inf in Q) gives q * 0, which is q / inf (+-0; NaN for a
     non-finite q). IEEE division compiled to a reciprocal, a range check and a slow-path branch per element,
     serialising the a8w8 Q rows' rounding."""
     fp8_max = FP8_MAX[fp8_dtype]
