@@ -22,6 +22,8 @@ from tl_kernels.steps import (
     LOG2E,
     MXFP4_SCALES_PER_TOKEN,
     kv_storage,
+    normalised,
+    output_factor,
     q_inverse,
     q_scale_of,
     round_q_to_fp8,
@@ -497,7 +499,7 @@ def dim_split_body(cfg, dims: dict):
                     denom[0] += m_all[w]
                 for nt in T.unroll(4):
                     for r in T.vectorized(4):
-                        value = T.if_then_else(denom[0] > 0, acc_o[nt * 4 + r] * out_scale / denom[0], 0)
+                        value = normalised(acc_o[nt * 4 + r], denom[0], output_factor(denom[0], out_scale))
                         col = ds_out_dim(wave, nt, g, r)
                         if cfg.split:
                             O_partial[split_id, q_begin + q_pass, hg * block_h + m, col] = value

@@ -528,20 +528,20 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def write_pass(k, q_pass, out_scale):
         """This pass's rows. denom == 0: nothing visible, output 0 and LSE -inf."""
         qi = k.q_begin + q_pass
+        for r in T.Parallel(block_m):  # the rows' output factors, in the pass's free rescale fragment
+            k.rescale[r] = steps.output_factor(k.denom[r], out_scale)
         if k.num_splits == 1:
             for d, r in T.Parallel(KV_LORA_RANK, block_m):
-                k.Out[qi, k.hg * block_h + r, d] = T.cast(
-                    T.if_then_else(k.denom[r] > 0, k.acc_o[d, r] * out_scale / k.denom[r], 0), bf16
-                )
+                k.Out[qi, k.hg * block_h + r, d] = T.cast(steps.normalised(k.acc_o[d, r], k.denom[r], k.rescale[r]),
+                                                          bf16)
             for r in T.Parallel(block_m):
                 k.LSE[qi, k.hg * block_h + r] = T.if_then_else(
                     k.denom[r] > 0, (T.log2(k.denom[r]) + k.row_max[r]) * LN2, -T.infinity(f32)
                 )
         else:
             for d, r in T.Parallel(KV_LORA_RANK, block_m):
-                k.O_partial[partial_index(k.split_id, qi, k.hg, d, r)] = T.if_then_else(
-                    k.denom[r] > 0, k.acc_o[d, r] * out_scale / k.denom[r], 0
-                )
+                k.O_partial[partial_index(k.split_id, qi, k.hg, d, r)] = steps.normalised(k.acc_o[d, r], k.denom[r],
+                                                                                          k.rescale[r])
             for r in T.Parallel(block_m):
                 k.LSE_partial[(k.split_id * total_q + qi) * heads + k.hg * block_h + r] = T.if_then_else(
                     k.denom[r] > 0, T.log2(k.denom[r]) + k.row_max[r], -T.infinity(f32)
@@ -576,9 +576,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                         k.denom[r] += k.rescale[r]
                     for d, r in T.Parallel(KV_LORA_RANK, block_m):
                         k.acc_o[d, r] += k.rescale[r] * k.O_partial[partial_index(sp, qi, k.hg, d, r)]
+                for r in T.Parallel(block_m):
+                    k.rescale[r] = steps.output_factor(k.denom[r], 1.0)
                 for d, r in T.Parallel(KV_LORA_RANK, block_m):
                     k.Out[qi, k.hg * block_h + r, d] = T.cast(
-                        T.if_then_else(k.denom[r] > 0, k.acc_o[d, r] / k.denom[r], 0), bf16
+                        steps.normalised(k.acc_o[d, r], k.denom[r], k.rescale[r]), bf16
                     )
                 for r in T.Parallel(block_m):
                     k.LSE[qi, k.hg * block_h + r] = T.if_then_else(
