@@ -164,9 +164,11 @@ def timing(spec, args) -> list[dict]:
         data = make_harness_inputs(batch, kv_len, seed=1)
         for mode in args.modes.split(","):
             ref_bytes = batch * kv_len * bytes_per_token(mode)
-            t_old = time_us(lambda: run_old(data, mode), flush, args.reps)
-            line = [f"{batch:3d}x{kv_len:5d} {mode:5s} old {t_old:8.1f}"]
-            rows.append(dict(kind="time", batch=batch, kv_len=kv_len, mode=mode, impl="old", time_us=t_old))
+            line = [f"{batch:3d}x{kv_len:5d} {mode:5s}"]
+            if not args.no_old:
+                t_old = time_us(lambda: run_old(data, mode), flush, args.reps)
+                line.append(f"old {t_old:8.1f}")
+                rows.append(dict(kind="time", batch=batch, kv_len=kv_len, mode=mode, impl="old", time_us=t_old))
             for name, ov in variants_for(mode, args.variants):
                 best = None
                 for splits in split_candidates(batch, kv_len):
@@ -193,7 +195,7 @@ def prebuild(spec, args):
             for causal in ((False, True) if args.check else (False,)):
                 jit.get_kernel(ws_config(spec, mode, causal=causal, **ov), spec)
         # the current op's kernels for the timed shapes
-        for batch, kv_len in parse_shapes(args.shapes):
+        for batch, kv_len in ([] if args.no_old else parse_shapes(args.shapes)):
             kv_format, q_format = MODES[mode]
             kq = "fp8" if q_format == "fp8" else "bf16"
             dec, comb, n = schedule.select_kernels(spec, kv_format=kv_format, q_format=kq, num_heads=16, causal=False,
@@ -213,6 +215,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--no-old", action="store_true", help="time the warp-specialised variants only (not the op's "
+                    "16/32/64-row kernels beside them)")
     ap.add_argument("--shapes", default=",".join(f"{b}x{n}" for b, n in SHAPES), help="timed shapes, e.g. 64x8192")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {', '.join(VARIANTS)}")
