@@ -598,8 +598,8 @@ def _block_body(c):
             score_scale = T.alloc_var(f32, init=sm_scale * LOG2E * q_scale * KV_scale[0] * decode_factor)
             out_scale = T.alloc_var(f32, init=KV_scale[0] * decode_factor)
             q_inv = T.alloc_var(f32, init=steps.q_inverse(q_scale)) if cfg.q_format == "fp8" else None
-            v = SimpleNamespace(q_begin=q_begin, q_len=q_len, kv_len=kv_len, split_hi=split_hi, q_scale=q_scale,
-                                q_inv=q_inv, score_scale=score_scale)
+            v = SimpleNamespace(q_begin=q_begin, q_len=q_len, kv_len=kv_len, split_hi=split_hi, q_inv=q_inv,
+                                score_scale=score_scale)
 
             for q_pass in T.serial(T.ceildiv(q_len, c.q_tile)):
                 _load_q_rows(c, k, v, Q, q_pass, hg)

@@ -447,7 +447,7 @@ def dim_split_body(cfg, dims: dict):
                 sc_word=sc_word, sc_shift=sc_shift, rows=rows, q_op=q_op,
                 k_op=k_op, v_pairs=v_pairs, q_tmp=q_tmp, s_acc=s_acc, m_all=m_all, p_one=p_one, p_op=p_op, v_op=v_op, acc_o=acc_o, split_lo=split_lo,
                 split_hi=split_hi, kv_begin=kv_begin, kv_len=kv_len, q_len=q_len, seq_id=seq_id, Page_table=Page_table,
-                KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, score_scale=score_scale, q_scale=q_scale, q_inv=q_inv, VT=VT, S_part=S_part, M_part=M_part, P_tot=P_tot, s_sum=s_sum,
+                KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, score_scale=score_scale, q_inv=q_inv, VT=VT, S_part=S_part, M_part=M_part, P_tot=P_tot, s_sum=s_sum,
                 row_max_new=row_max_new, row_max=row_max, row_safe=row_safe, rescale=rescale,
                 denom=denom,
             )
