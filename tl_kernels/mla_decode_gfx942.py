@@ -497,9 +497,10 @@ def dim_split_body(cfg, dims: dict):
                 denom[0] = 0
                 for w in T.unroll(DS_WAVES):
                     denom[0] += m_all[w]
+                rescale[0] = output_factor(denom[0], out_scale)  # the row's output factor, once (rescale is free)
                 for nt in T.unroll(4):
                     for r in T.vectorized(4):
-                        value = normalised(acc_o[nt * 4 + r], denom[0], output_factor(denom[0], out_scale))
+                        value = normalised(acc_o[nt * 4 + r], denom[0], rescale[0])
                         col = ds_out_dim(wave, nt, g, r)
                         if cfg.split:
                             O_partial[split_id, q_begin + q_pass, hg * block_h + m, col] = value
