@@ -200,11 +200,13 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
                 qi = q_base + r // block_h
                 if qi < q_len:
                     acc[r, d] += weight[r] * O_partial[o_index(sp, q_begin + qi, hg * block_h + r % block_h, col0 + d)]
+        for r in T.Parallel(ROWS):  # the rows' output factors, in the merge's free weight fragment
+            weight[r] = steps.output_factor(denom[r], 1.0)
         for r, d in T.Parallel(ROWS, HALF):
             qi = q_base + r // block_h
             if qi < q_len:
                 Out[q_begin + qi, hg * block_h + r % block_h, col0 + d] = T.cast(
-                    T.if_then_else(denom[r] > 0, acc[r, d] / denom[r], 0), bf16
+                    steps.normalised(acc[r, d], denom[r], weight[r]), bf16
                 )
         if write_lse:
             for r in T.Parallel(ROWS):
@@ -215,11 +217,15 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
                     )
 
     @T.macro
-    def write_half(O_partial, Out, acc, stat_denom, q_begin, q_base, q_len, hg, col0, split_id, num_splits):
-        """This pass's rows over 256 columns: normalised bf16 output (one split) or the fp32 partial."""
+    def write_half(O_partial, Out, acc, stat_denom, factor, q_begin, q_base, q_len, hg, col0, split_id, num_splits):
+        """This pass's rows over 256 columns: normalised bf16 output (one split) or the fp32 partial. ``factor``: a
+        free row fragment, for the rows' output factors (``steps.output_factor``: one division per row, not per
+        element)."""
+        for r in T.Parallel(ROWS):
+            factor[r] = steps.output_factor(stat_denom[r], 1.0)
         for r, d in T.Parallel(ROWS, HALF):
             qi = q_base + r // block_h
-            value = T.if_then_else(stat_denom[r] > 0, acc[r, d] / stat_denom[r], 0)
+            value = steps.normalised(acc[r, d], stat_denom[r], factor[r])
             if qi < q_len:
                 if num_splits == 1:
                     Out[q_begin + qi, hg * block_h + r % block_h, col0 + d] = T.cast(value, bf16)
@@ -312,8 +318,8 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
             for r in T.Parallel(ROWS):
                 st.denom_shared[r] = st.denom[r]
             T.barrier_arrive(st.stats_ready)
-            write_half(O_partial, Out, st.acc_o, st.denom, st.q_begin, q_base, st.q_len, st.hg, 0, st.split_id,
-                       num_splits)
+            write_half(O_partial, Out, st.acc_o, st.denom, st.rescale, st.q_begin, q_base, st.q_len, st.hg, 0,
+                       st.split_id, num_splits)
             for r in T.Parallel(ROWS):
                 qi = q_base + r // block_h
                 if qi < st.q_len:
@@ -363,8 +369,8 @@ def mla_decode_rows_kernel(cfg: RowsDecodeKernelConfig):
             for r in T.Parallel(ROWS):
                 st.denom_r[r] = st.denom_shared[r]
             T.barrier_arrive(st.stats_free)
-            write_half(O_partial, Out, st.acc_o_r, st.denom_r, st.q_begin, q_base, st.q_len, st.hg, HALF, st.split_id,
-                       num_splits)
+            write_half(O_partial, Out, st.acc_o_r, st.denom_r, st.weight_r, st.q_begin, q_base, st.q_len, st.hg, HALF,
+                       st.split_id, num_splits)
         if num_splits > 1:
             T.call_extern("handle", "__threadfence")
             T.barrier_arrive(st.published)
