@@ -102,3 +102,83 @@ def test_paged_ring(mode, page_size):
                    config_overrides=WS, **extra)
         check_against_reference(out, ref_out, mode, qo_indptr, kv_indptr, lse=lse, ref_lse=ref_lse,
                                 context=f"page_size={page_size} num_splits={splits}")
+
+
+# ---- a8w8 on fp8 wgmma (``fp8_mma``, issue 28 step 5; opt-in, prebuilt by tools/ws_check.py --prebuild --check
+# --modes a8w8 --variants f8mma) ---------------------------------------------------------------------------------
+# Its ring has four barriers per stage and three roles (copier, V^T transposer, MMA warp group); one version of that
+# protocol hung on the GPU (docs/perf.md run 47: a barrier completing two phases ahead of its waiter). So every case
+# runs in a child process under a watchdog: a hang fails the test instead of stalling the suite.
+F8MMA_WATCHDOG_S = 240
+F8MMA = {"ws": True, "fp8_mma": True, "direct_stores": False, "l2_prefetch": 0}
+_F8MMA_CASES = r"""
+import json, math, sys, traceback
+import torch
+sys.path.insert(0, "tests")
+from helpers import check_against_reference, poisoned, reference_for
+from test_ws_gpu import F8MMA, RING_LENGTHS, TAIL, poison_tail
+from mla.decode import harness_cache, mla_decode
+from mla.inputs import make_ragged_inputs, to_paged
+
+def call(data, causal=False, num_splits=None, page_size=0):
+    q, kv_data, qo_indptr, kv_indptr, _ = data
+    extra = {}
+    if page_size:
+        kv_data, extra["page_table"] = to_paged(data, page_size=page_size)
+    cache, kw = harness_cache(kv_data, "a8w8")
+    out = poisoned((q.shape[0], 16, 512), torch.bfloat16)
+    lse = poisoned((q.shape[0], 16), torch.float32)
+    mla_decode(q, cache, qo_indptr, kv_indptr, out=out, lse=lse, return_lse=True, causal=causal,
+               num_splits=num_splits, config_overrides=F8MMA, **kw, **extra)
+    return out, lse
+
+cases = []
+for splits in (1, 2, 3, 7, 64):  # every ring boundary, odd and even tile counts, empty splits
+    cases.append((f"ring splits={splits}", dict(kv_lens=RING_LENGTHS, q_lens=1, seed=splits), dict(num_splits=splits)))
+for kv_lens, splits in (([65], 2), ([129, 65, 1], 3), ([1], 5), ([4096], None), ([5] * 300, None)):
+    cases.append((f"kv_lens={kv_lens[:3]} splits={splits}", dict(kv_lens=kv_lens, q_lens=1, seed=len(kv_lens)),
+                  dict(num_splits=splits)))
+for splits in (1, 4):  # several query passes, each with its own causal horizon
+    cases.append((f"causal passes splits={splits}", dict(kv_lens=[700, 0, 130, 64, 3], q_lens=[3, 0, 1, 0, 1], seed=7),
+                  dict(causal=True, num_splits=splits)))
+for page_size in (1, 16, 64):
+    cases.append((f"paged {page_size}", dict(kv_lens=[1, 65, 0, 500, 193], q_lens=1, seed=page_size),
+                  dict(page_size=page_size, num_splits=3)))
+results = []
+for label, inputs, kwargs in cases:
+    try:
+        data = poison_tail(make_ragged_inputs(inputs["kv_lens"], inputs["q_lens"], seed=inputs["seed"], tail_rows=TAIL))
+        ref_out, ref_lse = reference_for("a8w8", data, causal=kwargs.get("causal", False))
+        for rep in range(2):  # twice: the fused merge leaves its semaphores at zero
+            out, lse = call(data, **kwargs)
+            check_against_reference(out, ref_out, "a8w8", data[2], data[3], lse=lse, ref_lse=ref_lse,
+                                    context=f"{label} (call {rep + 1})")
+        results.append(dict(case=label, ok=True))
+    except AssertionError as err:
+        results.append(dict(case=label, ok=False, error=str(err)[:1500]))
+    print(f"case {label}: {'ok' if results[-1]['ok'] else 'FAIL'}", flush=True)
+print("RESULT " + json.dumps(results))
+"""
+
+
+@launches(lambda **_: [])  # opt-in kernels: built on first use (or prebuilt by tools/ws_check.py, see above)
+def test_fp8_mma_ring_under_a_watchdog():
+    """a8w8 on fp8 wgmma against the fp32 reference: the ring's boundaries and split counts, one-token splits,
+    causal query passes, paged caches; every call twice; all in one child process that must finish within
+    F8MMA_WATCHDOG_S."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _F8MMA_CASES], cwd=repo, capture_output=True, text=True,
+                              timeout=F8MMA_WATCHDOG_S)
+    except subprocess.TimeoutExpired as err:
+        done = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        pytest.fail(f"fp8_mma: no result within {F8MMA_WATCHDOG_S} s (hung; killed). Cases finished:\n{done[-2000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"child exited with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    failed = [r for r in json.loads(lines[-1][7:]) if not r["ok"]]
+    assert not failed, "\n".join(f"{r['case']}: {r['error']}" for r in failed)

@@ -251,3 +251,96 @@ def test_ordered_decode_keeps_the_decode_below_the_stage_wait():
     assert schedule.ws_config(H200, kv_format="mxfp4").ordered_decode == schedule.WS_DEFAULTS["mxfp4"].ordered_decode
     assert schedule.WS_DEFAULTS["mxfp4"].ordered_decode and not schedule.WS_DEFAULTS["fp8"].ordered_decode
     assert not schedule.ws_config(H200, kv_format="mxfp4", overlap=True).ordered_decode
+
+
+# ---- a8w8 on fp8 wgmma (``fp8_mma``, issue 28 step 5) ----------------------------------------------------------
+
+F8MMA = dict(fp8_mma=True, direct_stores=False, l2_prefetch=0)
+
+
+@pytest.fixture(scope="module", params=[(False, 0), (True, 64), (False, 0, 3)], ids=["flat", "causal-page64", "st3"])
+def f8mma_source(request):
+    causal, page_size, *stages = request.param
+    extra = dict(num_stages=stages[0]) if stages else {}
+    cfg = schedule.ws_config(H200, kv_format="fp8", q_format="fp8", causal=causal, page_size=page_size, **F8MMA,
+                             **extra)
+    artifact = jit.lower(cfg, H200)
+    return cfg, artifact.kernel_source, jit.lowered_lds_bytes(artifact)
+
+
+def test_fp8_mma_reads_the_codes_as_stored_on_fp8_wgmma(f8mma_source):
+    """No decode anywhere: the codes are copied by cp.async (completing on the ring's mbarrier, never waited on),
+    both GEMMs are fp8 wgmma with the KV tile as M (k = 32), and the transposer alone writes V^T."""
+    cfg, src, _ = f8mma_source
+    body = src[src.index("__global__"):]  # the kernel, not the imported device functions
+    consumer, producers = body[: body.index("warpgroup_reg_dealloc")], producer_code(body)
+    assert "mla_fp8x16_to_bf16" not in body and "mla_ld_global" not in body, f"{cfg.name}: a decode or register load"
+    assert "cp_async_gs" in producers and "mbarrier_cp_async_arrive_noinc" in producers
+    assert "cp_async_wait" not in src, f"{cfg.name}: a cp.async wait serialises the ring"
+    fp8_wgmma = "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 16, 32,"
+    assert fp8_wgmma in consumer and "kBFloat16" not in consumer, f"{cfg.name}: a GEMM not on fp8 wgmma"
+    assert "wgmma" not in producers, "the copier and the transposer issue no MMA"
+    # one transposer call per ring stage, in the producers' branch (plus its definition)
+    assert producers.count("mla_transpose_v_fp8(") == cfg.num_stages
+    assert "__syncthreads" not in producers, f"{cfg.name}: a CTA-wide barrier in the producers' loop"
+
+
+def test_fp8_mma_shared_bytes_bound_the_lowered_allocation(f8mma_source):
+    cfg, _, lowered = f8mma_source
+    assert lowered <= cfg.shared_bytes <= H200.smem_bytes, (cfg.name, lowered, cfg.shared_bytes)
+
+
+@pytest.mark.parametrize("kv_format,q_format", [("fp8", "bf16"), ("mxfp4", "bf16"), ("bf16", "bf16")])
+def test_fp8_mma_is_a8w8_only(kv_format, q_format):
+    with pytest.raises(ValueError, match="fp8_mma is a8w8's"):
+        WSDecodeKernelConfig(kv_format=kv_format, q_format=q_format, fp8_mma=True)
+
+
+@pytest.mark.parametrize("field", ["overlap", "direct_stores", "ordered_decode", "idle_producers"])
+def test_fp8_mma_refuses_the_decoders_options(field):
+    with pytest.raises(ValueError, match="fp8_mma has no decoders"):
+        WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", fp8_mma=True, **{field: True})
+
+
+def transposer_accesses():
+    """A model of ``dequant.TRANSPOSE_CUDA_SOURCE``'s index arithmetic, instruction by instruction: for each warp,
+    iteration and load / store slot, the 32 lanes' (token, dim) and shared byte offsets (source: the ring stage's
+    128-byte swizzle; destination: the V^T stage's 64-byte swizzle)."""
+    loads, stores = [], []
+    for warp in range(4):
+        for it in range(16):
+            b = it * 4 + warp
+            for i in range(4):
+                lane_loads = []
+                for lane in range(32):
+                    g = ((lane >> 4) & 1) << 1
+                    dq, jq = 8 * (b & 15) + (lane & 7), 4 * (b >> 4) + (lane >> 3)
+                    j = 4 * jq + (i ^ g)
+                    lane_loads.append(((j, 4 * dq), (dq >> 5) * 8192 + j * 128 + ((((dq >> 2) & 7) ^ (j & 7)) << 4)
+                                       + (dq & 3) * 4))
+                loads.append(lane_loads)
+            for k in range(4):
+                lane_stores = []
+                for lane in range(32):
+                    f = (lane >> 1) & 3
+                    dq, jq = 8 * (b & 15) + (lane & 7), 4 * (b >> 4) + (lane >> 3)
+                    d = 4 * dq + (k ^ f)
+                    lane_stores.append(((4 * jq, d), d * 64 + ((((jq >> 2) & 3) ^ ((d >> 1) & 3)) << 4) + (jq & 3) * 4))
+                stores.append(lane_stores)
+    return loads, stores
+
+
+def test_transposer_moves_every_code_once_without_bank_conflicts():
+    """Every 4-byte word of the tile's V is loaded once and every word of V^T stored once, and each warp-wide
+    load or store touches 32 distinct banks (so the 32 KiB per tile move at the shared-memory port's full width)."""
+    loads, stores = transposer_accesses()
+    load_words = [where for access in loads for where, _ in access]
+    store_words = [where for access in stores for where, _ in access]
+    assert sorted(load_words) == sorted((j, d) for j in range(64) for d in range(0, 512, 4))
+    assert sorted(store_words) == sorted((j, d) for j in range(0, 64, 4) for d in range(512))
+    for access in loads + stores:
+        banks = {offset // 4 % 32 for _, offset in access}
+        assert len(banks) == 32, f"bank conflict: {sorted(offset for _, offset in access)}"
+    # the swizzles are bijections onto the stages: 32 KiB of V, 32 KiB of V^T
+    assert len({offset for access in loads for _, offset in access}) == 64 * 512 // 4
+    assert max(offset for access in stores for _, offset in access) < 512 * 64

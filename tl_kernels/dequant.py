@@ -151,6 +151,57 @@ __device__ __forceinline__ void mla_prefetch_l2(const void* src, unsigned nbytes
 """
 
 
+# fp8 V^T for the fp8 wgmma (``WSDecodeKernelConfig.fp8_mma``): wgmma reads 8-bit operands K-major only, so P V
+# needs V with the tile's tokens contiguous per latent dim. Thread p (0..127) of the transposing warp group moves 16
+# blocks of 4 tokens x 4 dims of the tile's 64 x 512 latent codes: src is the ring stage ([64][512], TileLang's
+# 128-byte swizzle: 8 KiB panels of 128 dims, 16-byte chunk c of row j at c ^ (j % 8)), dst the V^T stage ([512][64],
+# 64-byte swizzle: chunk c of row d at c ^ (d / 2 % 4)). Per block: four 4-byte loads (4 tokens, 4 dims each), a
+# byte transpose of three byte permutes per word, four 4-byte stores (4 dims, 4 tokens each). Lane l of warp w takes
+# dims 4 dq .. 4 dq + 3 and tokens 4 jq .. 4 jq + 3 with dq = 8 (b % 16) + l % 8, jq = 4 (b / 16) + l / 8 in block
+# group b = 4 it + w (it = 0..15, loads issued 8 blocks at a time); it loads its rows in the order i ^ g and stores its dims in the order k ^ f (g, f from the lane
+# bits), which makes every load and store of a warp hit 32 distinct banks (tests/test_ws_structure.py models the
+# mapping). The byte permutes take the orders as run-time selectors, so no register is picked by a lane's value.
+TRANSPOSE_CUDA_SOURCE = r"""
+__device__ __forceinline__ void mla_transpose_v_fp8(unsigned src, unsigned dst, int p) {
+  const int lane = p & 31, warp = p >> 5;
+  const int g = ((lane >> 4) & 1) << 1;  // row order of the loads: i ^ g
+  const int f = (lane >> 1) & 3;         // dim order of the stores: k ^ f
+  const unsigned sel_out = g ? 0x1054u : 0x5410u;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    // 8 blocks' loads issued before the first permute: one shared-memory round trip per 8 blocks
+    unsigned r[8][4];
+    #pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      const int b = (half * 8 + h) * 4 + warp;
+      const int dq = 8 * (b & 15) + (lane & 7), jq = 4 * (b >> 4) + (lane >> 3);
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = 4 * jq + (i ^ g);
+        const unsigned a = src + (dq >> 5) * 8192 + j * 128 + ((((dq >> 2) & 7) ^ (j & 7)) << 4) + (dq & 3) * 4;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r[h][i]) : "r"(a) : "memory");
+      }
+    }
+    #pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      const int b = (half * 8 + h) * 4 + warp;
+      const int dq = 8 * (b & 15) + (lane & 7), jq = 4 * (b >> 4) + (lane >> 3);
+      #pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int m = k ^ f;  // this store's dim 4 dq + m: byte m of every row word
+        const unsigned sel_in = (unsigned)(m | ((m + 4) << 4));
+        const unsigned x = __byte_perm(r[h][0], r[h][1], sel_in), y = __byte_perm(r[h][2], r[h][3], sel_in);
+        const unsigned w = __byte_perm(x, y, sel_out);  // tokens 4 jq .. 4 jq + 3 in order
+        const int d = 4 * dq + m;
+        const unsigned a = dst + d * 64 + ((((jq >> 2) & 3) ^ ((d >> 1) & 3)) << 4) + (jq & 3) * 4;
+        asm volatile("st.shared.b32 [%0], %1;" :: "r"(a), "r"(w) : "memory");
+      }
+    }
+  }
+}
+"""
+
+
 def import_cuda_source(prefetch: bool = False, ordered: bool = False, extra: str = ""):
     """Adds the device functions to the kernel being built (call once inside its ``T.Kernel``: a kernel takes one
     imported source); ``prefetch`` adds ``mla_prefetch_l2`` too, ``ordered`` ``ORDERED_CUDA_SOURCE``, ``extra`` any
@@ -225,6 +276,12 @@ def store_swizzled_32(addr, src):
     """The 16 bf16 from ``src`` (a local buffer element) into a 128-byte-swizzled shared tile at ``addr``
     (``mla_st_shared_swz32``)."""
     return T.call_extern("handle", "mla_st_shared_swz32", addr, T.access_ptr(src, "r"))
+
+
+def transpose_v_fp8(src_addr, dst_addr, p):
+    """Thread ``p`` (0..127) of the transposing warp group's share of one tile's fp8 V^T: from the ring stage at
+    shared address ``src_addr`` to the V^T stage at ``dst_addr`` (``TRANSPOSE_CUDA_SOURCE``)."""
+    return T.call_extern("handle", "mla_transpose_v_fp8", src_addr, dst_addr, p)
 
 
 def e2m1x16_to_bf16(dst, src, scale_byte, z=None):

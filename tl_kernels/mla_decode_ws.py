@@ -12,6 +12,8 @@ ring is a plain serial loop over barrier parities, not ``T.Pipelined``):
           tiles ahead: a chunk's load for tile t + 2 is issued as soon as its registers are decoded for tile t),
           decode them by bit placement (``tl_kernels.dequant``: no conversion instruction) and store
           bf16 into the stage, then fence the async proxy and arrive on "ready" (``decode_tiles``).
+    a8w8 with ``fp8_mma``: one warp group copies the fp8 codes with cp.async as bf16 is copied, the other writes
+          each tile's V^T into a second ring (``transpose_tiles``): both GEMMs then run on fp8 wgmma.
   consumer (one warp group, most registers; ``consume_tiles``)
     1. Q rows of the current query pass, once, into shared memory (a8w8: rounded to fp8 values here);
     2. per tile: S^T = K Q^T on wgmma with the 64 KV rows as M (16 query rows need no padding to 64);
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import tilelang.language as T
+from tilelang.layout import make_full_bank_swizzled_layout, make_half_bank_swizzled_layout
 
 from tl_kernels import dequant, steps
 from tl_kernels.steps import KV_FORMATS, KV_LORA_RANK, LN2, LOG2E, Q_FORMATS, QK_DIM, ROPE_DIM
@@ -51,6 +54,9 @@ DECODER_GROUPS = 2  # fp8 / mxfp4 producer warp groups (decode spread over 8 war
 # row 8w + r8, dims 512 + 16 c4.
 LATENT_CHUNKS = 8
 CHUNKS_PER_THREAD = LATENT_CHUNKS + 1
+# fp8_mma: P (at most 1) is stored as fp8 times 2^8: e4m3fn holds up to 448, and probabilities down to 2^-17 keep a
+# nonzero code. The output scale divides it back out.
+P_FP8_SCALE = 256.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,13 @@ class WSDecodeKernelConfig:
     # ptxas cannot hoist the decode above that wait: the wait for the tile's loads then comes after the wait for the
     # stage instead of before it (the SASS without it waits for every outstanding load first). Untimed: opt-in.
     ordered_decode: bool = False
+    # a8w8 on fp8 wgmma (issue 28, step 5): the ring holds the cache's fp8 codes as stored (cp.async by one producer
+    # warp group, no decode), the score wgmma reads them against fp8 Q codes; a second producer warp group writes
+    # each tile's V^T into a ring of its own (8-bit wgmma operands are K-major only: ``dequant.transpose_v_fp8``);
+    # P goes to fp8 times ``P_FP8_SCALE`` for P V. Scores and outputs carry no decode factor. A ring stage is
+    # released once the score wgmma and the transposer have read it ("free", two roles), a V^T stage after P V
+    # ("vt_free"); tests/test_ws_protocol_cpu.py model-checks the four barriers' protocol.
+    fp8_mma: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -105,7 +118,14 @@ class WSDecodeKernelConfig:
             raise ValueError(f"block_h={self.block_h} must divide num_heads={self.num_heads}")
         if self.block_h != 16 or self.block_n != 64:
             raise ValueError("the warp-specialised kernel is built for 16 query rows x 64-token tiles")
-        if self.kv_format != "bf16" and self.num_stages != 2:
+        if self.fp8_mma:
+            if (self.kv_format, self.q_format) != ("fp8", "fp8"):
+                raise ValueError(f"fp8_mma is a8w8's (kv_format='fp8', q_format='fp8'), got kv_format="
+                                 f"{self.kv_format!r}, q_format={self.q_format!r}")
+            if self.overlap or self.direct_stores or self.ordered_decode or self.idle_producers:
+                raise ValueError("fp8_mma has no decoders and a serial consumer: overlap, direct_stores, "
+                                 "ordered_decode and idle_producers must be off")
+        elif self.kv_format != "bf16" and self.num_stages != 2:
             raise ValueError("the decoders keep two tiles in registers: fp8 / mxfp4 need num_stages == 2")
         if self.ordered_decode and (self.kv_format == "bf16" or self.overlap):
             raise ValueError("ordered_decode is the decoders' (fp8 / mxfp4) with the serial consumer (which then "
@@ -129,6 +149,7 @@ class WSDecodeKernelConfig:
 
     @property
     def producer_groups(self) -> int:
+        """bf16: one copier; fp8 / mxfp4: two decoder warp groups; ``fp8_mma``: a copier and a V^T transposer."""
         return 1 if self.kv_format == "bf16" else DECODER_GROUPS
 
     @property
@@ -153,6 +174,9 @@ class WSDecodeKernelConfig:
         barriers and the reductions' scratch, each rounded up to 1 KiB); tests/test_ws_structure.py checks it against
         the lowered kernel's ``dyn_shared_memory_buf``."""
         kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
+        if self.fp8_mma:  # 1-byte operands; per stage the codes and their V^T
+            ring = self.num_stages * (kib(self.block_n * QK_DIM) + kib(self.block_n * KV_LORA_RANK))
+            return ring + kib(QK_DIM * self.block_m) + kib(self.block_m * self.block_n) + 4 * 1024
         ring = self.num_stages * kib(2 * self.block_n * QK_DIM)
         return ring + kib(2 * QK_DIM * self.block_m) + kib(2 * self.block_m * self.block_n) + 4 * 1024
 
@@ -165,6 +189,7 @@ class WSDecodeKernelConfig:
             f"{'_causal' if self.causal else ''}{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
             f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{'_ov' if self.overlap else ''}"
             f"{'_idle' if self.idle_producers else ''}{'_fs' if self.fast_softmax else ''}{'_sg' if self.score_group else ''}{'_dst' if self.direct_stores else ''}{'_od' if self.ordered_decode else ''}"
+            f"{'_f8mma' if self.fp8_mma else ''}"
         )
 
 
@@ -199,13 +224,18 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     kv_dtype = {"bf16": "bfloat16", "fp8": cfg.fp8_dtype, "mxfp4": "uint8"}[cfg.kv_format]
     q_dtype = cfg.fp8_dtype if cfg.q_format == "fp8_codes" else "bfloat16"
     bf16, f32 = "bfloat16", "float32"
-    decodes = cfg.kv_format != "bf16"
+    fp8_mma = cfg.fp8_mma
+    if fp8_mma and stream:
+        raise ValueError("fp8_mma has no decoders: the decode benchmark is the decoding kernels'")
+    ring_dtype = cfg.fp8_dtype if fp8_mma else bf16  # the ring's MMA operands (and Q's, P's)
+    decodes = cfg.kv_format != "bf16" and not fp8_mma
     mxfp4 = cfg.kv_format == "mxfp4"
     producer_threads = WARP_GROUP * cfg.producer_groups
-    # "ready" completes when every producer thread arrived: cp.async arrivals (bf16), plain arrivals (decoders).
-    ready_count = producer_threads
+    # "ready" completes when every filling thread arrived: cp.async arrivals (bf16, fp8_mma's copier), plain
+    # arrivals (decoders).
+    ready_count = WARP_GROUP if fp8_mma else producer_threads
     # fp8 tiles hold code * 2^-120 (tl_kernels.dequant): the factor returns in the score and output scales.
-    decode_factor = dequant.FP8_BF16_FACTOR if cfg.kv_format == "fp8" else 1.0
+    decode_factor = dequant.FP8_BF16_FACTOR if decodes and cfg.kv_format == "fp8" else 1.0
     chunk_words = dequant.chunk_words(cfg.kv_format)
 
     total_q = T.dynamic("total_q")
@@ -243,6 +273,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         return steps.q_value(k.Q, k.q_begin, k.q_len, qi, h, d, q_inv, q_format=cfg.q_format,
                              fp8_dtype=cfg.fp8_dtype)
 
+    def q_code(k, q_inv, qi, h, d):
+        """``fp8_mma``: Q[query qi, head h, dim d] as its fp8 code (``steps.q_fp8_code``)."""
+        return steps.q_fp8_code(k.Q, k.q_begin, k.q_len, qi, h, d, q_inv, fp8_dtype=cfg.fp8_dtype)
+
     softmax_ctx = SimpleNamespace(block_m=block_m, block_n=block_n, token_axis=0, kv_major_loops=True,
                                   out_dims=KV_LORA_RANK, deferred_sum=cfg.fast_softmax,
                                   tr=functools.partial(steps.accumulator_index, True))
@@ -257,6 +291,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     # A contiguous run of cache rows: a whole tile in a flat cache, else the largest run inside one page.
     prefetch_run = math.gcd(cfg.page_size, block_n) if cfg.page_size else block_n
     row_bytes = kv_cols * (2 if kv_dtype == "bfloat16" else 1)  # a stored row: bf16, fp8 codes or mxfp4 pairs
+    vec = 16 if fp8_mma else 8  # elements of one 16-byte cp.async (copy_tiles)
 
     @T.macro
     def prefetch_tile(k, tile):
@@ -300,8 +335,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     @T.macro
     def copy_tiles(k):
-        """bf16: each tile's rows, 16-byte cp.async chunks (consecutive threads on consecutive chunks of a row),
-        into the next free stage."""
+        """bf16 (and ``fp8_mma``'s fp8 codes): each tile's rows, 16-byte cp.async chunks (consecutive threads on
+        consecutive chunks of a row), into the next free stage."""
         T.set_max_nreg(cfg.producer_regs, 0)
         p = k.tx - CONSUMER_THREADS
         for q_pass in T.serial(k.num_passes):
@@ -314,15 +349,40 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     T.barrier_wait(k.free[s], ring_parity(k, q_pass, rnd) ^ 1)
                     if tile < k.num_tiles:
                         for dst, col0, cols in ((k.Ring_lat[s], 0, KV_LORA_RANK), (k.Ring_rope[s], KV_LORA_RANK, ROPE_DIM)):
-                            per_row = cols // 8
+                            per_row = cols // vec
                             for c in T.unroll(block_n * per_row // WARP_GROUP):
                                 i = (p + c * WARP_GROUP) // per_row
-                                col = (p + c * WARP_GROUP) % per_row * 8
+                                col = (p + c * WARP_GROUP) % per_row * vec
                                 row = cache_row(k, tile_pos(k, tile_lo, i))
                                 T.ptx_cp_async(
-                                    T.access_ptr(dst[i, col], "w", 8), T.access_ptr(k.KV[row, col0 + col], "r", 8), 8
+                                    T.access_ptr(dst[i, col], "w", vec), T.access_ptr(k.KV[row, col0 + col], "r", vec),
+                                    vec,
                                 )
                     T.cp_async_barrier_noinc(k.ready[s])
+
+    @T.macro
+    def transpose_tiles(k):
+        """``fp8_mma``: per tile, once its codes have landed (the copier's "ready") and the V^T stage of the same
+        index is free (the MMA warp group's "vt_free", after the P V two tiles back), its V^T into that stage; then
+        "vt_ready", and its share of the ring stage's release ("free": the codes are read)."""
+        T.set_max_nreg(cfg.producer_regs, 0)
+        p = k.tx - CONSUMER_THREADS - WARP_GROUP
+        for s in list(range(stages)):
+            k.vt_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][0, 0])
+            k.vt_addr[2 * s + 1] = dequant.smem_addr(k.Vt[s][0, 0])
+        for q_pass in T.serial(k.num_passes):
+            for rnd in T.serial(k.rounds):
+                for s in list(range(stages)):
+                    tile = rnd * stages + s
+                    T.barrier_wait(k.ready[s], ring_parity(k, q_pass, rnd))
+                    # Every round, tile or not: each side of the V^T ring waits before it arrives, so no barrier
+                    # ever completes two phases ahead of its waiter (a parity wait would then hang).
+                    T.barrier_wait(k.vt_free[s], ring_parity(k, q_pass, rnd) ^ 1)
+                    if tile < k.num_tiles:
+                        T.evaluate(dequant.transpose_v_fp8(k.vt_addr[2 * s], k.vt_addr[2 * s + 1], p))
+                        T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
+                    T.barrier_arrive(k.vt_ready[s])
+                    T.barrier_arrive(k.free[s])
 
     def chunk_place(k, j):
         """(tile row, first dim) of the decoder thread's chunk j (see CHUNKS_PER_THREAD)."""
@@ -410,6 +470,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def produce(k):
         if cfg.idle_producers:
             pass_tiles(k)
+        elif fp8_mma:
+            if k.tx < CONSUMER_THREADS + WARP_GROUP:
+                copy_tiles(k)
+            else:
+                transpose_tiles(k)
         elif decodes:
             decode_tiles(k)
         else:
@@ -419,11 +484,13 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     @T.macro
     def load_q(k, q_pass, q_inv):
-        """This pass's Q rows (row r = head hg * block_h + r of query q_pass) into shared memory."""
+        """This pass's Q rows (row r = head hg * block_h + r of query q_pass) into shared memory (``fp8_mma``: their
+        fp8 codes)."""
+        value = q_code if fp8_mma else q_value
         for r, d in T.Parallel(block_m, KV_LORA_RANK):
-            k.Q_lat[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, d)
+            k.Q_lat[r, d] = value(k, q_inv, q_pass, k.hg * block_h + r, d)
         for r, d in T.Parallel(block_m, ROPE_DIM):
-            k.Q_rope[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, KV_LORA_RANK + d)
+            k.Q_rope[r, d] = value(k, q_inv, q_pass, k.hg * block_h + r, KV_LORA_RANK + d)
 
     def tile_max_scratch(k, s):
         """``fast_softmax``: the address of stage ``s``'s slot of the tile-max scratch; else None (TileLang's
@@ -438,9 +505,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     @T.macro
     def store_p(k):
-        """The probabilities as bf16 into shared memory, P V's B operand."""
+        """The probabilities as bf16 into shared memory, P V's B operand (``fp8_mma``: fp8 times P_FP8_SCALE)."""
         for r, j in T.Parallel(block_m, block_n):
-            k.P_shared[r, j] = T.cast(k.acc_s[j, r], bf16)
+            if fp8_mma:
+                k.P_shared[r, j] = T.cast(k.acc_s[j, r] * P_FP8_SCALE, ring_dtype)
+            else:
+                k.P_shared[r, j] = T.cast(k.acc_s[j, r], bf16)
 
     # The score and P V wgmma issued without a wait (``T.wgmma_gemm``): the pipelined consumer (``overlap``) and
     # ``score_group`` wait for them where they need their results.
@@ -457,8 +527,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         T.wgmma_gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
     @T.macro
-    def attend_tile(k, s, tile_lo, horizon, score_scale):
-        """Scores, online-softmax step and P V for the tile in stage ``s``."""
+    def attend_tile(k, s, tile_lo, horizon, score_scale, parity):
+        """Scores, online-softmax step and P V for the tile in stage ``s`` (``parity``: its round's, for
+        ``fp8_mma``'s V^T wait)."""
         # S^T = K Q^T over 512 latent + 64 rope dims.
         if cfg.score_group:
             issue_scores(k, s)
@@ -466,13 +537,20 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         else:
             T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
             T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
+        if fp8_mma:
+            T.barrier_arrive(k.free[s])  # the codes are read (P V reads V^T): the copier may refill the stage
         mask_scores(k, tile_lo, horizon, score_scale)
         # Online softmax in base 2 (S^T and O^T: the KV tile is the wgmma M dimension).
         steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s))
         steps.rescale_output(softmax_ctx, k)
         store_p(k)
         # O^T += V^T P^T.
-        T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
+        if fp8_mma:
+            T.barrier_wait(k.vt_ready[s], parity)
+            T.gemm(k.Vt[s], k.P_shared, k.acc_o, transpose_B=True)
+            T.barrier_arrive(k.vt_free[s])
+        else:
+            T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
     # ---- the pipelined MMA warp group (``overlap``): the same steps, issued a tile apart
 
@@ -596,7 +674,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         q_inv = T.alloc_var(f32, init=steps.q_inverse(q_scale)) if cfg.q_format == "fp8" else None
         # One multiply per score: sm_scale, log2(e), the fp8 per-tensor scales of Q and K, the decode's factor.
         score_scale = T.alloc_var(f32, init=k.sm_scale * LOG2E * q_scale * k.KV_scale[0] * decode_factor)
-        out_scale = T.alloc_var(f32, init=k.KV_scale[0] * decode_factor)
+        out_scale = T.alloc_var(f32, init=k.KV_scale[0] * decode_factor / (P_FP8_SCALE if fp8_mma else 1.0))
         for q_pass in T.serial(k.num_passes):
             load_q(k, q_pass, q_inv)
             T.fill(k.acc_o, 0)
@@ -620,8 +698,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                             prefetch_tile(k, tile + cfg.l2_prefetch + 1)
                         T.barrier_wait(k.ready[s], ring_parity(k, q_pass, rnd))
                         if tile < k.num_tiles:
-                            attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale)
-                        T.barrier_arrive(k.free[s])
+                            attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale,
+                                        ring_parity(k, q_pass, rnd))
+                        elif fp8_mma:  # no tile: the releases, and the V^T ring's handshake as for a tile
+                            T.barrier_arrive(k.free[s])
+                            T.barrier_wait(k.vt_ready[s], ring_parity(k, q_pass, rnd))
+                            T.barrier_arrive(k.vt_free[s])
+                        if not fp8_mma:  # (fp8_mma releases the ring stage after the score wgmma)
+                            T.barrier_arrive(k.free[s])
             if cfg.fast_softmax:
                 steps.deferred_denominator(softmax_ctx, k)
             write_pass(k, q_pass, out_scale)
@@ -636,10 +720,18 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     def cta_state(k, split_id, seq_id, kv_indptr, num_splits):
         """The CTA's ring, barriers and per-CTA scalars (registers), shared by both programs."""
-        k.Ring_lat = [T.alloc_shared([block_n, KV_LORA_RANK], bf16) for _ in range(stages)]
-        k.Ring_rope = [T.alloc_shared([block_n, ROPE_DIM], bf16) for _ in range(stages)]
+        k.Ring_lat = [T.alloc_shared([block_n, KV_LORA_RANK], ring_dtype) for _ in range(stages)]
+        k.Ring_rope = [T.alloc_shared([block_n, ROPE_DIM], ring_dtype) for _ in range(stages)]
+        if fp8_mma:
+            # V^T per stage, and the layouts the transposer's addresses assume (the ones wgmma infers anyway).
+            k.Vt = [T.alloc_shared([KV_LORA_RANK, block_n], ring_dtype) for _ in range(stages)]
+            k.vt_ready = T.alloc_barrier([WARP_GROUP] * stages)
+            k.vt_free = T.alloc_barrier([CONSUMER_THREADS] * stages)
+            T.annotate_layout({**{buf: make_full_bank_swizzled_layout(buf) for buf in k.Ring_lat},
+                               **{buf: make_half_bank_swizzled_layout(buf) for buf in k.Vt}})
         k.ready = T.alloc_barrier([ready_count] * stages)
-        k.free = T.alloc_barrier([CONSUMER_THREADS] * stages)
+        # "free": the MMA warp group's release of a stage (fp8_mma: and the transposer's, once both read the codes)
+        k.free = T.alloc_barrier([CONSUMER_THREADS + (WARP_GROUP if fp8_mma else 0)] * stages)
         k.split_id, k.seq_id, k.num_splits = split_id, seq_id, num_splits
         k.kv_begin = scalar("int32", kv_indptr[seq_id])
         k.kv_len = scalar("int32", kv_indptr[seq_id + 1] - kv_indptr[seq_id])
@@ -663,12 +755,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.ring_addr = T.alloc_local([2 * stages], "uint32") if cfg.direct_stores else None
             k.zero = T.alloc_local([1], "uint32") if cfg.ordered_decode else None  # mbar_wait_zero's 0
             k.zero_word = T.alloc_shared([1], "uint32") if cfg.ordered_decode else None  # the shared 0 it reads
+        if fp8_mma:  # the transposer's stage addresses: (codes, V^T) per stage
+            k.vt_addr = T.alloc_local([2 * stages], "uint32")
 
     def consumer_state(k, qo_indptr, seq_id):
         """The consumer's Q and P tiles, accumulators and query range."""
-        k.Q_lat = T.alloc_shared([block_m, KV_LORA_RANK], bf16)
-        k.Q_rope = T.alloc_shared([block_m, ROPE_DIM], bf16)
-        k.P_shared = T.alloc_shared([block_m, block_n], bf16)
+        k.Q_lat = T.alloc_shared([block_m, KV_LORA_RANK], ring_dtype)
+        k.Q_rope = T.alloc_shared([block_m, ROPE_DIM], ring_dtype)
+        k.P_shared = T.alloc_shared([block_m, block_n], ring_dtype)
         k.last_flag = T.alloc_shared([1], "int32")
         # S^T [token, row] and O^T [dim, row]: the KV tile is the wgmma M dimension.
         k.acc_s = T.alloc_fragment([block_n, block_m], f32)
@@ -687,7 +781,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
              num_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
             dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0, ordered=cfg.ordered_decode,
-                                       extra=steps.TILE_MAX_CUDA_SOURCE if cfg.fast_softmax else "")
+                                       extra=(steps.TILE_MAX_CUDA_SOURCE if cfg.fast_softmax else "")
+                                       + (dequant.TRANSPOSE_CUDA_SOURCE if fp8_mma else ""))
             k = SimpleNamespace(Q=Q, KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Q_scale=Q_scale,
                                 KV_scale=KV_scale, Page_table=Page_table, sm_scale=sm_scale, O_partial=O_partial,
                                 LSE_partial=LSE_partial, Semaphores=Semaphores, Out=Out, LSE=LSE, hg=hg)

@@ -102,6 +102,13 @@ def q_value(Q, q_begin, q_len, qi, head, d, q_inv, *, q_format: str, fp8_dtype: 
     return T.if_then_else(qi < q_len, T.cast(value, "bfloat16"), T.cast(0, "bfloat16"))
 
 
+def q_fp8_code(Q, q_begin, q_len, qi, head, d, q_inv, *, fp8_dtype: str):
+    """a8w8 on fp8 MMA: Q[query qi of the sequence, head, dim d] as its fp8 code (``round_q_to_fp8``), 0 past the
+    sequence's queries (the row clamped as in ``q_value``)."""
+    code = round_q_to_fp8(Q[q_begin + T.min(qi, q_len - 1), head, d], q_inv, fp8_dtype)
+    return T.if_then_else(qi < q_len, code, T.cast(0, fp8_dtype))
+
+
 # ---- the split of a sequence's KV tokens ---------------------------------------------------------------------------
 
 

@@ -51,6 +51,10 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "od": dict(ordered_decode=True),
     "dst": dict(direct_stores=True),
     "dstod": dict(direct_stores=True, ordered_decode=True),
+    # a8w8 on fp8 wgmma: the fp8 codes copied as stored, V^T by a transposing warp group (issue 28, step 5)
+    "f8mma": dict(fp8_mma=True, direct_stores=False, l2_prefetch=0),
+    "f8mmapf3": dict(fp8_mma=True, direct_stores=False, l2_prefetch=3),
+    "f8mma3": dict(fp8_mma=True, direct_stores=False, l2_prefetch=0, num_stages=3),
 }
 TIMING_ONLY = {"idle", "ovidle", "plainidle"}
 DEFAULT_VARIANTS = "st2,st3"
@@ -68,7 +72,7 @@ def variants_for(mode: str, names: str = DEFAULT_VARIANTS, check: bool = False):
         if check and name in TIMING_ONLY:
             continue
         try:
-            cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], **ov)
+            cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], q_format=MODES[mode][1], **ov)
         except ValueError:  # e.g. three stages for a decoded format
             continue
         if cfg.shared_bytes <= 227 * 1024:

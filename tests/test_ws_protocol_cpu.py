@@ -1,0 +1,112 @@
+"""The warp-specialised kernel's ring protocol, model-checked on the CPU: every interleaving of its roles' barrier
+operations, for short splits and several query passes, must finish (no role waits forever).
+
+Each role is the sequence of ``T.barrier_wait`` / ``T.barrier_arrive`` calls its macro issues, round by round
+(``tl_kernels/mla_decode_ws.py``: ``copy_tiles`` / ``decode_tiles``, ``transpose_tiles`` and ``consume_tiles`` with
+``attend_tile``). A role's 128 threads act as one agent (they arrive together), so a barrier's count is the number
+of roles that arrive on it. An mbarrier waited for with parity P returns once the phase of parity P has completed;
+if a barrier completes two phases before its waiter looks, the waiter sees parity P current again and waits
+forever: the hang of docs/perf.md run 47, which the model reproduces for that version of the protocol
+(``test_the_model_finds_the_hang_of_run_47``). The models must be kept in step with the macros they transcribe.
+"""
+
+import itertools
+
+import pytest
+
+STAGES = 2
+
+
+def parity(rounds, q_pass, rnd):
+    return (q_pass * rounds + rnd) & 1  # ``ring_parity``
+
+
+def schedule(num_tiles, passes):
+    """(q_pass, round, stage, tile, parity, tile is real) in the order every role walks the ring."""
+    rounds = -(-num_tiles // STAGES)
+    for q_pass, rnd, s in itertools.product(range(passes), range(rounds), range(STAGES)):
+        tile = rnd * STAGES + s
+        yield s, parity(rounds, q_pass, rnd), tile < num_tiles
+
+
+def decoder_ring(num_tiles, passes):
+    """bf16 copier / fp8-mxfp4 decoders and the MMA warp group: one "ready" and one "free" per stage."""
+    producer, consumer = [], []
+    for s, p, real in schedule(num_tiles, passes):
+        producer += [("wait", "free", s, p ^ 1), ("arrive", "ready", s)]
+        consumer += [("wait", "ready", s, p), ("arrive", "free", s)]
+    return {"ready": 1, "free": 1}, [producer, consumer]
+
+
+def fp8_mma_ring(num_tiles, passes):
+    """``fp8_mma`` as built: the copier; the transposer (waits for the codes and for its V^T stage every round);
+    the MMA warp group (releases the codes after the score wgmma, V^T after P V; a round without a tile goes through
+    the same handshake)."""
+    copier, transposer, consumer = [], [], []
+    for s, p, real in schedule(num_tiles, passes):
+        copier += [("wait", "free", s, p ^ 1), ("arrive", "ready", s)]
+        transposer += [("wait", "ready", s, p), ("wait", "vt_free", s, p ^ 1), ("arrive", "vt_ready", s),
+                       ("arrive", "free", s)]
+        consumer += [("wait", "ready", s, p), ("arrive", "free", s), ("wait", "vt_ready", s, p),
+                     ("arrive", "vt_free", s)]
+    return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
+
+
+def fp8_mma_ring_run47(num_tiles, passes):
+    """The version that hung in run 47: rounds without a tile skipped the V^T waits."""
+    copier, transposer, consumer = [], [], []
+    for s, p, real in schedule(num_tiles, passes):
+        copier += [("wait", "free", s, p ^ 1), ("arrive", "ready", s)]
+        transposer += [("wait", "ready", s, p)] + ([("wait", "vt_free", s, p ^ 1)] if real else []) + [
+            ("arrive", "vt_ready", s), ("arrive", "free", s)]
+        consumer += [("wait", "ready", s, p), ("arrive", "free", s)] + (
+            [("wait", "vt_ready", s, p)] if real else []) + [("arrive", "vt_free", s)]
+    return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
+
+
+def find_hang(model, num_tiles, passes):
+    """Depth-first search over every interleaving; returns a state where some role can never move again (its
+    program counters), or None."""
+    counts, programs = model(num_tiles, passes)
+    names = sorted(counts)
+    start = (tuple(0 for _ in programs), tuple((0, 0) for _ in names for _ in range(STAGES)))
+    seen, stack = {start}, [start]
+    while stack:
+        pcs, bars = stack.pop()
+        moved = False
+        for role, program in enumerate(programs):
+            if pcs[role] == len(program):
+                continue
+            op, name, s, *rest = program[pcs[role]]
+            slot = names.index(name) * STAGES + s
+            phase, pending = bars[slot]
+            if op == "wait":
+                if phase & 1 == rest[0]:  # the phase of that parity has not completed (or aliased back)
+                    continue
+                new_bars = bars
+            else:
+                pending += 1
+                new_bars = list(bars)
+                new_bars[slot] = (phase + 1, 0) if pending == counts[name] else (phase, pending)
+                new_bars = tuple(new_bars)
+            new_pcs = pcs[:role] + (pcs[role] + 1,) + pcs[role + 1:]
+            moved = True
+            if (new_pcs, new_bars) not in seen:
+                seen.add((new_pcs, new_bars))
+                stack.append((new_pcs, new_bars))
+        if not moved and any(pc < len(p) for pc, p in zip(pcs, programs)):
+            return pcs
+    return None
+
+
+@pytest.mark.parametrize("passes", [1, 2, 3])
+@pytest.mark.parametrize("num_tiles", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("model", [decoder_ring, fp8_mma_ring], ids=["decoders", "fp8_mma"])
+def test_every_interleaving_finishes(model, num_tiles, passes):
+    assert find_hang(model, num_tiles, passes) is None
+
+
+def test_the_model_finds_the_hang_of_run_47():
+    """The check can fail: run 47's protocol hangs once a split ends on an odd tile count."""
+    assert find_hang(fp8_mma_ring_run47, 3, 1) is not None
+    assert find_hang(fp8_mma_ring_run47, 2, 1) is None  # an even count has no tile-less round
