@@ -198,6 +198,8 @@ def prebuild(spec, args):
         for name, ov in variants_for(mode, args.variants):
             for causal in ((False, True) if args.check else (False,)):
                 jit.get_kernel(ws_config(spec, mode, causal=causal, **ov), spec)
+            for page_size in (int(p) for p in args.pages.split(",") if p):  # paged caches (tests/test_ws_gpu.py)
+                jit.get_kernel(ws_config(spec, mode, page_size=page_size, **ov), spec)
         # the current op's kernels for the timed shapes
         for batch, kv_len in ([] if args.no_old else parse_shapes(args.shapes)):
             kv_format, q_format = MODES[mode]
@@ -224,6 +226,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(f"{b}x{n}" for b, n in SHAPES), help="timed shapes, e.g. 64x8192")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {', '.join(VARIANTS)}")
+    ap.add_argument("--pages", default="", help="--prebuild: also the paged kernels of these page sizes, e.g. 1,16,64")
     args = ap.parse_args()
     if args.prebuild:
         prebuild(spec_for_name("sm_90a"), args)
