@@ -42,11 +42,14 @@ def read_rows(path: str) -> tuple[list[str], list[dict]]:
 
 
 def split_roles(rows: list[dict]) -> dict[str, list[dict]]:
-    roles, role = defaultdict(list), "common"
+    """Rows by role. A marker seen again starts a role of its own, numbered ("producers", "producers 2", ...): the
+    ``fp8_mma`` kernel's copier and V^T transposer are two producer branches, each with its setmaxnreg."""
+    roles, role, seen = defaultdict(list), "common", defaultdict(int)
     for r in rows:
         for marker, name in ROLE_MARKERS:
             if marker in r["Source"]:
-                role = name
+                seen[name] += 1
+                role = name if seen[name] == 1 else f"{name} {seen[name]}"
         roles[role].append(r)
     return roles
 
