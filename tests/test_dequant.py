@@ -130,3 +130,29 @@ def test_a8w8_q_multiplied_by_the_reciprocal_rounds_to_bf16_as_division_does():
             mismatches["bf16 inv"] += int((bf16(xs * bf16(np.array([inv]))[0]) != want).sum())
     assert mismatches["inv"] == 0
     assert mismatches["bf16 inv"] > 0
+
+
+def test_bf16_q_as_two_e4m3_terms_holds_it_to_2_pow_minus_8():
+    """fp8_mma with bf16 Q (tl_kernels/mla_decode_ws.py, ``load_q_split``): row r times 2^(TOP - floor(log2 amax_r))
+    is hi = e4m3(x) plus lo = e4m3((x - hi) * LO) / LO. Against the exact bf16 rows, over rows whose amax spans
+    2^-20 .. 2^20 (and an all-zero row), every element is within 2^-8 of its row's amax and every score
+    (against fp8-valued K) within 2^-8 of sum |k q|: bf16's own rounding of Q is 2^-9."""
+    from tl_kernels.mla_decode_ws import Q_SPLIT_LO, Q_SPLIT_TOP
+
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(64, 576, generator=gen) * torch.logspace(-20, 20, 64, base=2.0)[:, None]
+    rows[3] = 0
+    rows[7, ::5] *= 1e-6  # small elements beside large ones (e4m3 subnormals and below)
+    q = rows.to(torch.bfloat16).double()
+    amax = q.abs().amax(dim=1, keepdim=True)
+    scale = torch.exp2(Q_SPLIT_TOP - torch.floor(torch.log2(amax.clamp_min(1e-30))))
+    x = q * scale
+    assert (x.abs() < 256).all(), "amax_r lands in [2^7, 2^8)"
+    e4m3 = lambda t: t.float().to(torch.float8_e4m3fn).double()  # noqa: E731  (round to nearest even)
+    hi = e4m3(x)
+    lo = e4m3((x - hi) * Q_SPLIT_LO)
+    recon = (hi + lo / Q_SPLIT_LO) / scale
+    assert ((recon - q).abs() <= 2.0**-8 * amax).all()
+    k = e4m3(torch.randn(32, 576, generator=gen) * 8)
+    scores, exact = recon @ k.T, q @ k.T
+    assert ((scores - exact).abs() <= 2.0**-8 * (q.abs() @ k.abs().T)).all()

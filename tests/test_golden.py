@@ -57,3 +57,15 @@ def test_normalization_forgives_only_a_permutation_of_shared_buffers():
     assert golden.source_hash(base.replace("+ 2048", "+ 4096")) != golden.source_hash(base)
     assert golden.source_hash(base.replace("g((", "h((")) != golden.source_hash(base)
     assert golden.source_hash(base.replace("g((bfloat16_t*)v_2)", "g((bfloat16_t*)v_1)")) != golden.source_hash(base)
+
+
+def test_normalization_ignores_the_imported_device_functions():
+    """The device functions imported before the kernel name their own parameters (``dst``, ``v``) like the shared
+    pointers; those names must not decide the canonical order, or a swap of two buffers changes the hash (it did for
+    the fp8_mma kernels)."""
+    head = "__device__ void helper(void* dst, void* v_2) { use(dst); use(v_2); }\n"
+    base = (head + "  void* dst = ((void*)((char*)buf_dyn_shmem + 0));\n"
+            "  void* v_2 = ((void*)((char*)buf_dyn_shmem + 2048));\n  f((bfloat16_t*)v_2); g((bfloat16_t*)dst);\n")
+    swapped = base.replace("f((bfloat16_t*)v_2); g((bfloat16_t*)dst)", "f((bfloat16_t*)dst); g((bfloat16_t*)v_2)")
+    assert golden.source_hash(swapped) == golden.source_hash(base)
+    assert "void* dst, void* v_2" in golden.normalized(base), "the imported functions are kept as written"

@@ -120,12 +120,12 @@ from test_ws_gpu import F8MMA, RING_LENGTHS, TAIL, poison_tail
 from mla.decode import harness_cache, mla_decode
 from mla.inputs import make_ragged_inputs, to_paged
 
-def call(data, causal=False, num_splits=None, page_size=0):
+def call(data, mode, causal=False, num_splits=None, page_size=0):
     q, kv_data, qo_indptr, kv_indptr, _ = data
     extra = {}
     if page_size:
         kv_data, extra["page_table"] = to_paged(data, page_size=page_size)
-    cache, kw = harness_cache(kv_data, "a8w8")
+    cache, kw = harness_cache(kv_data, mode)
     out = poisoned((q.shape[0], 16, 512), torch.bfloat16)
     lse = poisoned((q.shape[0], 16), torch.float32)
     mla_decode(q, cache, qo_indptr, kv_indptr, out=out, lse=lse, return_lse=True, causal=causal,
@@ -145,25 +145,28 @@ for page_size in (1, 16, 64):
     cases.append((f"paged {page_size}", dict(kv_lens=[1, 65, 0, 500, 193], q_lens=1, seed=page_size),
                   dict(page_size=page_size, num_splits=3)))
 results = []
-for label, inputs, kwargs in cases:
-    try:
-        data = poison_tail(make_ragged_inputs(inputs["kv_lens"], inputs["q_lens"], seed=inputs["seed"], tail_rows=TAIL))
-        ref_out, ref_lse = reference_for("a8w8", data, causal=kwargs.get("causal", False))
-        for rep in range(2):  # twice: the fused merge leaves its semaphores at zero
-            out, lse = call(data, **kwargs)
-            check_against_reference(out, ref_out, "a8w8", data[2], data[3], lse=lse, ref_lse=ref_lse,
-                                    context=f"{label} (call {rep + 1})")
-        results.append(dict(case=label, ok=True))
-    except AssertionError as err:
-        results.append(dict(case=label, ok=False, error=str(err)[:1500]))
-    print(f"case {label}: {'ok' if results[-1]['ok'] else 'FAIL'}", flush=True)
+for mode in ("a8w8", "fp8"):  # fp8 Q codes, and bf16 Q as two e4m3 terms
+    for label, inputs, kwargs in cases:
+        label = f"{mode} {label}"
+        try:
+            data = poison_tail(make_ragged_inputs(inputs["kv_lens"], inputs["q_lens"], seed=inputs["seed"],
+                                                  tail_rows=TAIL))
+            ref_out, ref_lse = reference_for(mode, data, causal=kwargs.get("causal", False))
+            for rep in range(2):  # twice: the fused merge leaves its semaphores at zero
+                out, lse = call(data, mode, **kwargs)
+                check_against_reference(out, ref_out, mode, data[2], data[3], lse=lse, ref_lse=ref_lse,
+                                        context=f"{label} (call {rep + 1})")
+            results.append(dict(case=label, ok=True))
+        except AssertionError as err:
+            results.append(dict(case=label, ok=False, error=str(err)[:1500]))
+        print(f"case {label}: {'ok' if results[-1]['ok'] else 'FAIL'}", flush=True)
 print("RESULT " + json.dumps(results))
 """
 
 
 @launches(lambda **_: [])  # opt-in kernels: built on first use (or prebuilt by tools/ws_check.py, see above)
 def test_fp8_mma_ring_under_a_watchdog():
-    """a8w8 on fp8 wgmma against the fp32 reference: the ring's boundaries and split counts, one-token splits,
+    """a8w8 and fp8 (bf16 Q) on fp8 wgmma against the fp32 reference: the ring's boundaries and split counts, one-token splits,
     causal query passes, paged caches; every call twice; all in one child process that must finish within
     F8MMA_WATCHDOG_S."""
     import json

@@ -258,11 +258,13 @@ def test_ordered_decode_keeps_the_decode_below_the_stage_wait():
 F8MMA = dict(fp8_mma=True, direct_stores=False, l2_prefetch=0)
 
 
-@pytest.fixture(scope="module", params=[(False, 0), (True, 64), (False, 0, 3)], ids=["flat", "causal-page64", "st3"])
+@pytest.fixture(scope="module", params=[("fp8", False, 0), ("fp8", True, 64), ("fp8", False, 0, 3), ("bf16", False, 0),
+                                        ("bf16", True, 16)],
+                ids=["a8w8", "a8w8-causal-page64", "a8w8-st3", "bf16q", "bf16q-causal-page16"])
 def f8mma_source(request):
-    causal, page_size, *stages = request.param
+    q_format, causal, page_size, *stages = request.param
     extra = dict(num_stages=stages[0]) if stages else {}
-    cfg = schedule.ws_config(H200, kv_format="fp8", q_format="fp8", causal=causal, page_size=page_size, **F8MMA,
+    cfg = schedule.ws_config(H200, kv_format="fp8", q_format=q_format, causal=causal, page_size=page_size, **F8MMA,
                              **extra)
     artifact = jit.lower(cfg, H200)
     return cfg, artifact.kernel_source, jit.lowered_lds_bytes(artifact)
@@ -280,9 +282,18 @@ def test_fp8_mma_reads_the_codes_as_stored_on_fp8_wgmma(f8mma_source):
     fp8_wgmma = "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 16, 32,"
     assert fp8_wgmma in consumer and "kBFloat16" not in consumer, f"{cfg.name}: a GEMM not on fp8 wgmma"
     assert "wgmma" not in producers, "the copier and the transposer issue no MMA"
+    # the layouts the transposer's addresses assume: the codes' latent tile in the 128-byte swizzle (descriptor mode
+    # 1), V^T in the 64-byte swizzle (mode 2), as wgmma infers them for these shapes
+    assert "initialize_wgmma_descriptor<1, 1, 64>(desc_a" in consumer, f"{cfg.name}: codes not 128-byte swizzled"
+    assert consumer.count("initialize_wgmma_descriptor<2, 1, 32>(desc_a") >= 2 * cfg.num_stages, (
+        f"{cfg.name}: V^T (and the rope codes) not 64-byte swizzled")
     # one transposer call per ring stage, in the producers' branch (plus its definition)
     assert producers.count("mla_transpose_v_fp8(") == cfg.num_stages
     assert "__syncthreads" not in producers, f"{cfg.name}: a CTA-wide barrier in the producers' loop"
+    # bf16 Q: two score wgmma groups per tile (Q's hi and lo terms), 18 each; a8w8 one
+    qk_per_stage = 36 if cfg.q_split else 18
+    assert consumer.count(fp8_wgmma) == cfg.num_stages * (4 if cfg.q_split else 2) + cfg.num_stages, (
+        f"{cfg.name}: expected {qk_per_stage} score and 16 P V wgmma per stage")
 
 
 def test_fp8_mma_shared_bytes_bound_the_lowered_allocation(f8mma_source):
@@ -290,9 +301,9 @@ def test_fp8_mma_shared_bytes_bound_the_lowered_allocation(f8mma_source):
     assert lowered <= cfg.shared_bytes <= H200.smem_bytes, (cfg.name, lowered, cfg.shared_bytes)
 
 
-@pytest.mark.parametrize("kv_format,q_format", [("fp8", "bf16"), ("mxfp4", "bf16"), ("bf16", "bf16")])
-def test_fp8_mma_is_a8w8_only(kv_format, q_format):
-    with pytest.raises(ValueError, match="fp8_mma is a8w8's"):
+@pytest.mark.parametrize("kv_format,q_format", [("mxfp4", "bf16"), ("bf16", "bf16")])
+def test_fp8_mma_reads_an_fp8_cache_only(kv_format, q_format):
+    with pytest.raises(ValueError, match="fp8_mma reads an fp8 cache"):
         WSDecodeKernelConfig(kv_format=kv_format, q_format=q_format, fp8_mma=True)
 
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import tilelang.language as T
-from tilelang.layout import make_full_bank_swizzled_layout, make_half_bank_swizzled_layout
 
 from tl_kernels import dequant, steps
 from tl_kernels.steps import KV_FORMATS, KV_LORA_RANK, LN2, LOG2E, Q_FORMATS, QK_DIM, ROPE_DIM
@@ -57,6 +56,11 @@ CHUNKS_PER_THREAD = LATENT_CHUNKS + 1
 # fp8_mma: P (at most 1) is stored as fp8 times 2^8: e4m3fn holds up to 448, and probabilities down to 2^-17 keep a
 # nonzero code. The output scale divides it back out.
 P_FP8_SCALE = 256.0
+# fp8_mma with bf16 Q: row r of Q times 2^(7 - floor(log2 amax_r)) (amax_r into [128, 256), under e4m3fn's 448) is
+# hi = e4m3(x) plus lo = e4m3((x - hi) * 16) / 16; the residual is at most half an e4m3 step (2^-4 of x), so lo fits
+# and the pair holds x to about 2^-8.
+Q_SPLIT_LO = 16.0
+Q_SPLIT_TOP = 7  # amax_r is scaled into [2^7, 2^8)
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ class WSDecodeKernelConfig:
     # P goes to fp8 times ``P_FP8_SCALE`` for P V. Scores and outputs carry no decode factor. A ring stage is
     # released once the score wgmma and the transposer have read it ("free", two roles), a V^T stage after P V
     # ("vt_free"); tests/test_ws_protocol_cpu.py model-checks the four barriers' protocol.
+    # With bf16 Q (the "fp8" mode) Q is carried as two e4m3 terms per element, hi + lo / 16 under a per-row power of
+    # two (``Q_SPLIT_LO``): about 2^-8 relative, near bf16's own 2^-9; the score wgmma runs once per term.
     fp8_mma: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
@@ -119,9 +125,9 @@ class WSDecodeKernelConfig:
         if self.block_h != 16 or self.block_n != 64:
             raise ValueError("the warp-specialised kernel is built for 16 query rows x 64-token tiles")
         if self.fp8_mma:
-            if (self.kv_format, self.q_format) != ("fp8", "fp8"):
-                raise ValueError(f"fp8_mma is a8w8's (kv_format='fp8', q_format='fp8'), got kv_format="
-                                 f"{self.kv_format!r}, q_format={self.q_format!r}")
+            if self.kv_format != "fp8" or self.q_format not in ("fp8", "bf16"):
+                raise ValueError(f"fp8_mma reads an fp8 cache with fp8 or bf16 Q (kv_format='fp8', q_format 'fp8' "
+                                 f"or 'bf16'), got kv_format={self.kv_format!r}, q_format={self.q_format!r}")
             if self.overlap or self.direct_stores or self.ordered_decode or self.idle_producers:
                 raise ValueError("fp8_mma has no decoders and a serial consumer: overlap, direct_stores, "
                                  "ordered_decode and idle_producers must be off")
@@ -141,6 +147,11 @@ class WSDecodeKernelConfig:
     @property
     def block_m(self) -> int:
         return self.block_h
+
+    @property
+    def q_split(self) -> bool:
+        """``fp8_mma`` with bf16 Q: Q as two e4m3 terms (hi, lo), two score wgmma per tile."""
+        return self.fp8_mma and self.q_format == "bf16"
 
     @property
     def semaphores_per_seq(self) -> int:
@@ -176,7 +187,8 @@ class WSDecodeKernelConfig:
         kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
         if self.fp8_mma:  # 1-byte operands; per stage the codes and their V^T
             ring = self.num_stages * (kib(self.block_n * QK_DIM) + kib(self.block_n * KV_LORA_RANK))
-            return ring + kib(QK_DIM * self.block_m) + kib(self.block_m * self.block_n) + 4 * 1024
+            q_terms = 2 if self.q_split else 1
+            return ring + q_terms * kib(QK_DIM * self.block_m) + kib(self.block_m * self.block_n) + 4 * 1024
         ring = self.num_stages * kib(2 * self.block_n * QK_DIM)
         return ring + kib(2 * QK_DIM * self.block_m) + kib(2 * self.block_m * self.block_n) + 4 * 1024
 
@@ -369,7 +381,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         p = k.tx - CONSUMER_THREADS - WARP_GROUP
         for s in list(range(stages)):
             k.vt_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][0, 0])
-            k.vt_addr[2 * s + 1] = dequant.smem_addr(k.Vt[s][0, 0])
+            k.vt_addr[2 * s + 1] = dequant.smem_addr(k.Vt[s * KV_LORA_RANK, 0])
         for q_pass in T.serial(k.num_passes):
             for rnd in T.serial(k.rounds):
                 for s in list(range(stages)):
@@ -483,14 +495,57 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     # -------------------------------------------------------------------------------------------- consumer
 
     @T.macro
-    def load_q(k, q_pass, q_inv):
-        """This pass's Q rows (row r = head hg * block_h + r of query q_pass) into shared memory (``fp8_mma``: their
-        fp8 codes)."""
+    def load_q_codes(k, q_pass, q_inv):
         value = q_code if fp8_mma else q_value
         for r, d in T.Parallel(block_m, KV_LORA_RANK):
             k.Q_lat[r, d] = value(k, q_inv, q_pass, k.hg * block_h + r, d)
         for r, d in T.Parallel(block_m, ROPE_DIM):
             k.Q_rope[r, d] = value(k, q_inv, q_pass, k.hg * block_h + r, KV_LORA_RANK + d)
+
+    def q_scaled(k, q_pass, r, d):
+        """``q_split``: Q[query q_pass, row r, dim d] times its row's scale (exact: a power of two), fp32."""
+        return T.cast(q_value(k, None, q_pass, k.hg * block_h + r, d), f32) * k.q_row_scale[r]
+
+    def q_hi(k, q_pass, r, d):
+        return T.cast(q_scaled(k, q_pass, r, d), ring_dtype)
+
+    def q_lo(k, q_pass, r, d):
+        x = q_scaled(k, q_pass, r, d)
+        return T.cast((x - T.cast(T.cast(x, ring_dtype), f32)) * Q_SPLIT_LO, ring_dtype)
+
+    @T.macro
+    def load_q_split(k, q_pass):
+        """``q_split``: each Q row's amax, its power-of-two scale (the inverse kept in shared memory for the scores,
+        ``q_row_factor``), and the row as hi / lo e4m3 terms (``Q_SPLIT_LO``)."""
+        # amax per row: thread t takes 72 dims of row t / 8, the 8 partial maxima meet in shared memory
+        row, seg = k.tx // 8, k.tx % 8
+        k.q_max[0] = 0
+        for i in T.serial(QK_DIM // 8):
+            k.q_max[0] = T.max(k.q_max[0], T.abs(T.cast(q_value(k, None, q_pass, k.hg * block_h + row,
+                                                                 seg * (QK_DIM // 8) + i), f32)))
+        k.q_partial[k.tx] = k.q_max[0]
+        T.sync_threads(1, CONSUMER_THREADS)
+        if seg == 0:  # amax_r into [2^7, 2^8): exact powers of two (an all-zero row: any)
+            for i in T.serial(7):
+                k.q_max[0] = T.max(k.q_max[0], k.q_partial[k.tx + 1 + i])
+            k.q_row_factor[row] = T.exp2(T.floor(T.log2(T.max(k.q_max[0], 1e-30))) - Q_SPLIT_TOP)
+            k.q_row_scale[row] = T.exp2(Q_SPLIT_TOP - T.floor(T.log2(T.max(k.q_max[0], 1e-30))))
+        T.sync_threads(1, CONSUMER_THREADS)
+        for r, d in T.Parallel(block_m, KV_LORA_RANK):
+            k.Q_lat[r, d] = q_hi(k, q_pass, r, d)
+            k.Q_lat_lo[r, d] = q_lo(k, q_pass, r, d)
+        for r, d in T.Parallel(block_m, ROPE_DIM):
+            k.Q_rope[r, d] = q_hi(k, q_pass, r, KV_LORA_RANK + d)
+            k.Q_rope_lo[r, d] = q_lo(k, q_pass, r, KV_LORA_RANK + d)
+
+    @T.macro
+    def load_q(k, q_pass, q_inv):
+        """This pass's Q rows (row r = head hg * block_h + r of query q_pass) into shared memory (``fp8_mma``: their
+        fp8 codes)."""
+        if cfg.q_split:
+            load_q_split(k, q_pass)
+        else:
+            load_q_codes(k, q_pass, q_inv)
 
     def tile_max_scratch(k, s):
         """``fast_softmax``: the address of stage ``s``'s slot of the tile-max scratch; else None (TileLang's
@@ -499,9 +554,17 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     @T.macro
     def mask_scores(k, tile_lo, horizon, score_scale):
-        """The finished scores times the score scale; -inf past the horizon (split end, causal)."""
+        """The finished scores times the score scale; -inf past the horizon (split end, causal). ``q_split``: the
+        two terms' scores summed and the row's Q scale undone first."""
         for j, r in T.Parallel(block_n, block_m):
-            k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, k.acc_s[j, r] * score_scale, -T.infinity(f32))
+            if cfg.q_split:
+                k.acc_s[j, r] = T.if_then_else(
+                    tile_lo + j < horizon,
+                    (k.acc_s[j, r] + k.acc_s_lo[j, r] * (1.0 / Q_SPLIT_LO)) * (score_scale * k.q_row_factor[r]),
+                    -T.infinity(f32))
+            else:
+                k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, k.acc_s[j, r] * score_scale,
+                                               -T.infinity(f32))
 
     @T.macro
     def store_p(k):
@@ -520,6 +583,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         """S^T = K Q^T of the tile in stage ``s``: two wgmma groups (latent, rope), not waited for."""
         T.wgmma_gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
         T.wgmma_gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
+        if cfg.q_split:  # the lo term's scores
+            T.wgmma_gemm(k.Ring_lat[s], k.Q_lat_lo, k.acc_s_lo, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(k.Ring_rope[s], k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
 
     @T.macro
     def issue_pv(k, s):
@@ -527,7 +593,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         T.wgmma_gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
     @T.macro
-    def attend_tile(k, s, tile_lo, horizon, score_scale, parity):
+    def attend_tile(k, s, tile_lo, horizon, score_scale, parity=None):
         """Scores, online-softmax step and P V for the tile in stage ``s`` (``parity``: its round's, for
         ``fp8_mma``'s V^T wait)."""
         # S^T = K Q^T over 512 latent + 64 rope dims.
@@ -537,6 +603,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         else:
             T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
             T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
+            if cfg.q_split:
+                T.gemm(k.Ring_lat[s], k.Q_lat_lo, k.acc_s_lo, transpose_B=True, clear_accum=True)
+                T.gemm(k.Ring_rope[s], k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
         if fp8_mma:
             T.barrier_arrive(k.free[s])  # the codes are read (P V reads V^T): the copier may refill the stage
         mask_scores(k, tile_lo, horizon, score_scale)
@@ -547,7 +616,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         # O^T += V^T P^T.
         if fp8_mma:
             T.barrier_wait(k.vt_ready[s], parity)
-            T.gemm(k.Vt[s], k.P_shared, k.acc_o, transpose_B=True)
+            T.gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared, k.acc_o, transpose_B=True)
             T.barrier_arrive(k.vt_free[s])
         else:
             T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
@@ -677,6 +746,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         out_scale = T.alloc_var(f32, init=k.KV_scale[0] * decode_factor / (P_FP8_SCALE if fp8_mma else 1.0))
         for q_pass in T.serial(k.num_passes):
             load_q(k, q_pass, q_inv)
+            if fp8_mma:
+                # Q's shared rows are complete before any score wgmma: an explicit barrier, so that TileLang's
+                # planner, which otherwise placed its own before or inside the tile loop from run to run (the
+                # generated code must not vary: tools/golden.py), has nothing left to order.
+                T.sync_threads(1, CONSUMER_THREADS)
             T.fill(k.acc_o, 0)
             T.fill(k.denom, 0)
             if cfg.fast_softmax:
@@ -697,14 +771,18 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                         if cfg.ordered_decode and cfg.l2_prefetch:
                             prefetch_tile(k, tile + cfg.l2_prefetch + 1)
                         T.barrier_wait(k.ready[s], ring_parity(k, q_pass, rnd))
-                        if tile < k.num_tiles:
-                            attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale,
-                                        ring_parity(k, q_pass, rnd))
-                        elif fp8_mma:  # no tile: the releases, and the V^T ring's handshake as for a tile
-                            T.barrier_arrive(k.free[s])
-                            T.barrier_wait(k.vt_ready[s], ring_parity(k, q_pass, rnd))
-                            T.barrier_arrive(k.vt_free[s])
-                        if not fp8_mma:  # (fp8_mma releases the ring stage after the score wgmma)
+                        # (static branches: the decoding kernels' loop keeps its generated form)
+                        if fp8_mma:  # the ring stage is released after the score wgmma, V^T after P V
+                            if tile < k.num_tiles:
+                                attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale,
+                                            ring_parity(k, q_pass, rnd))
+                            else:  # no tile: the releases, and the V^T ring's handshake as for a tile
+                                T.barrier_arrive(k.free[s])
+                                T.barrier_wait(k.vt_ready[s], ring_parity(k, q_pass, rnd))
+                                T.barrier_arrive(k.vt_free[s])
+                        else:
+                            if tile < k.num_tiles:
+                                attend_tile(k, s, k.split_lo + tile * block_n, horizon, score_scale)
                             T.barrier_arrive(k.free[s])
             if cfg.fast_softmax:
                 steps.deferred_denominator(softmax_ctx, k)
@@ -723,12 +801,15 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.Ring_lat = [T.alloc_shared([block_n, KV_LORA_RANK], ring_dtype) for _ in range(stages)]
         k.Ring_rope = [T.alloc_shared([block_n, ROPE_DIM], ring_dtype) for _ in range(stages)]
         if fp8_mma:
-            # V^T per stage, and the layouts the transposer's addresses assume (the ones wgmma infers anyway).
-            k.Vt = [T.alloc_shared([KV_LORA_RANK, block_n], ring_dtype) for _ in range(stages)]
+            # V^T, every stage. The transposer's addresses assume the layouts wgmma infers for these operands (128-byte
+            # swizzle for the codes, 64-byte for V^T; tests/test_ws_structure.py checks the descriptors): annotating
+            # them made TileLang's generated code vary from run to run.
+            # One buffer for all stages (stage s: rows s * 512 ..): equal-sized buffers are placed by TileLang's planner
+            # in an order that varies from run to run, and with four of them (two ring stages, two V^T stages) its
+            # barrier placement varied with it.
+            k.Vt = T.alloc_shared([stages * KV_LORA_RANK, block_n], ring_dtype)
             k.vt_ready = T.alloc_barrier([WARP_GROUP] * stages)
             k.vt_free = T.alloc_barrier([CONSUMER_THREADS] * stages)
-            T.annotate_layout({**{buf: make_full_bank_swizzled_layout(buf) for buf in k.Ring_lat},
-                               **{buf: make_half_bank_swizzled_layout(buf) for buf in k.Vt}})
         k.ready = T.alloc_barrier([ready_count] * stages)
         # "free": the MMA warp group's release of a stage (fp8_mma: and the transposer's, once both read the codes)
         k.free = T.alloc_barrier([CONSUMER_THREADS + (WARP_GROUP if fp8_mma else 0)] * stages)
@@ -763,6 +844,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.Q_lat = T.alloc_shared([block_m, KV_LORA_RANK], ring_dtype)
         k.Q_rope = T.alloc_shared([block_m, ROPE_DIM], ring_dtype)
         k.P_shared = T.alloc_shared([block_m, block_n], ring_dtype)
+        if cfg.q_split:
+            k.Q_lat_lo = T.alloc_shared([block_m, KV_LORA_RANK], ring_dtype)
+            k.Q_rope_lo = T.alloc_shared([block_m, ROPE_DIM], ring_dtype)
+            k.q_row_factor = T.alloc_shared([block_m], f32)  # 1 / each row's Q scale (a power of two)
+            k.q_row_scale = T.alloc_shared([block_m], f32)  # each row's Q scale
+            k.q_partial = T.alloc_shared([CONSUMER_THREADS], f32)  # partial row maxima of |Q|
+            k.q_max = T.alloc_local([1], f32)
+            k.acc_s_lo = T.alloc_fragment([block_n, block_m], f32)  # S^T of the lo term
         k.last_flag = T.alloc_shared([1], "int32")
         # S^T [token, row] and O^T [dim, row]: the KV tile is the wgmma M dimension.
         k.acc_s = T.alloc_fragment([block_n, block_m], f32)

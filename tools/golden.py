@@ -96,7 +96,8 @@ def golden_variants(target: str, only: str = "all") -> list:
     # a8w8 on fp8 wgmma (issue 28 step 5): flat, and causal over pages of 64.
     f8mma = dict(fp8_mma=True, direct_stores=False, l2_prefetch=0)
     add(schedule.ws_config(spec, kv_format="fp8", q_format="fp8", **f8mma),
-        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, **f8mma))
+        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, **f8mma),
+        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", **f8mma))  # bf16 Q as two e4m3 terms
     for kv_format in ("fp8", "mxfp4"):
         for mode in ("bench", "check"):
             add(("stream", schedule.ws_config(spec, kv_format=kv_format), mode))
@@ -146,10 +147,14 @@ _SHMEM_DECL = re.compile(r"^\s*void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_sh
 
 
 def normalized(source: str) -> str:
-    """``source`` with its dynamic shared-memory pointers renamed canonically (see ``_SHMEM_DECL``)."""
-    decls = _SHMEM_DECL.findall(source)
-    if not decls:
+    """``source`` with its dynamic shared-memory pointers renamed canonically (see ``_SHMEM_DECL``). Only the text from
+    the first declaration on is renamed: the device functions imported before the kernel use names such as ``dst``
+    for their own parameters, which must neither be renamed nor decide the order."""
+    first = _SHMEM_DECL.search(source)
+    if first is None:
         return source
+    head, source = source[: first.start()], source[first.start():]
+    decls = _SHMEM_DECL.findall(source)
     offsets = sorted(int(offset) for _, offset in decls)
     body = _SHMEM_DECL.sub("", source)
     names = {name for name, _ in decls}
@@ -161,7 +166,7 @@ def normalized(source: str) -> str:
     canonical = {name: f"__shmem{i}" for i, name in enumerate(order)}
     body = re.sub(r"\b(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")\b",
                   lambda m: canonical[m.group(1)], body)
-    return f"// dynamic shared memory offsets: {offsets}\n" + body
+    return f"// dynamic shared memory offsets: {offsets}\n" + head + body
 
 
 def source_hash(source: str) -> str:
