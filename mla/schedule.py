@@ -257,7 +257,9 @@ def ws_config(
         kv_format=kv_format, q_format=q_format, num_heads=num_heads, num_stages=WS_STAGES, causal=causal,
         page_size=page_size, fp8_dtype=spec.fp8_tl_dtype, **WS_CONSUMER,
     )
-    if kv_format in WS_DEFAULTS:
+    if kv_format in WS_DEFAULTS and not overrides.get("fp8_mma", False):
+        # (fp8_mma has no decoders: the format's decoder tunings do not apply, and its copier runs without the L2
+        # prefetch, which was slower in run 46)
         tuned = WS_DEFAULTS[kv_format]
         # (ordered_decode has no form with the pipelined consumer: a tuning override of ``overlap`` drops it)
         cfg = dataclasses.replace(cfg, l2_prefetch=tuned.l2_prefetch, direct_stores=tuned.direct_stores,

@@ -255,7 +255,7 @@ def test_ordered_decode_keeps_the_decode_below_the_stage_wait():
 
 # ---- a8w8 on fp8 wgmma (``fp8_mma``, issue 28 step 5) ----------------------------------------------------------
 
-F8MMA = dict(fp8_mma=True, direct_stores=False, l2_prefetch=0)
+F8MMA = dict(fp8_mma=True)
 
 
 @pytest.fixture(scope="module", params=[("fp8", False, 0), ("fp8", True, 64), ("fp8", False, 0, 3), ("bf16", False, 0),
@@ -355,3 +355,12 @@ def test_transposer_moves_every_code_once_without_bank_conflicts():
     # the swizzles are bijections onto the stages: 32 KiB of V, 32 KiB of V^T
     assert len({offset for access in loads for _, offset in access}) == 64 * 512 // 4
     assert max(offset for access in stores for _, offset in access) < 512 * 64
+
+
+@pytest.mark.parametrize("q_format", ["fp8", "bf16"])
+def test_fp8_mma_takes_none_of_the_decoders_tunings(q_format):
+    """``fp8_mma=True`` alone is the override: the schedule leaves out the fp8 decoders' defaults (direct stores,
+    the L2 prefetch), which the copier has no use for."""
+    cfg = schedule.ws_config(H200, kv_format="fp8", q_format=q_format, fp8_mma=True)
+    assert (cfg.direct_stores, cfg.ordered_decode, cfg.l2_prefetch) == (False, False, 0)
+    assert schedule.ws_config(H200, kv_format="fp8", q_format=q_format).direct_stores, "the decoders keep theirs"

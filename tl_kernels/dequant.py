@@ -158,9 +158,10 @@ __device__ __forceinline__ void mla_prefetch_l2(const void* src, unsigned nbytes
 # 64-byte swizzle: chunk c of row d at c ^ (d / 2 % 4)). Per block: four 4-byte loads (4 tokens, 4 dims each), a
 # byte transpose of three byte permutes per word, four 4-byte stores (4 dims, 4 tokens each). Lane l of warp w takes
 # dims 4 dq .. 4 dq + 3 and tokens 4 jq .. 4 jq + 3 with dq = 8 (b % 16) + l % 8, jq = 4 (b / 16) + l / 8 in block
-# group b = 4 it + w (it = 0..15, loads issued 8 blocks at a time); it loads its rows in the order i ^ g and stores its dims in the order k ^ f (g, f from the lane
-# bits), which makes every load and store of a warp hit 32 distinct banks (tests/test_ws_structure.py models the
-# mapping). The byte permutes take the orders as run-time selectors, so no register is picked by a lane's value.
+# group b = 4 it + w (it = 0..15, loads issued 8 blocks at a time); it loads its rows in the order i ^ g and stores
+# its dims in the order k ^ f (g, f from the lane bits), which makes every load and store of a warp hit 32 distinct
+# banks (tests/test_ws_structure.py models the mapping). The byte permutes take the orders as run-time selectors, so
+# no register is picked by a lane's value.
 TRANSPOSE_CUDA_SOURCE = r"""
 __device__ __forceinline__ void mla_transpose_v_fp8(unsigned src, unsigned dst, int p) {
   const int lane = p & 31, warp = p >> 5;

@@ -279,15 +279,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         of the accumulator's fragments, so each thread writes and reads back contiguous pairs of rows."""
         return (((split * total_q + qi) * head_groups + hg) * KV_LORA_RANK + d) * block_m + r
 
-    def q_value(k, q_inv, qi, h, d):
+    def q_value(k, q_inv, qi, h, d, codes=False):
         """Q[query qi, head h, dim d] as bf16 (``steps.q_value``: 0 past the sequence's queries; a8w8 rounds it to
-        fp8 values exactly as torch's per-tensor quantizer does)."""
+        fp8 values exactly as torch's per-tensor quantizer does; ``codes``: a8w8's fp8 code, for fp8_mma)."""
         return steps.q_value(k.Q, k.q_begin, k.q_len, qi, h, d, q_inv, q_format=cfg.q_format,
-                             fp8_dtype=cfg.fp8_dtype)
-
-    def q_code(k, q_inv, qi, h, d):
-        """``fp8_mma``: Q[query qi, head h, dim d] as its fp8 code (``steps.q_fp8_code``)."""
-        return steps.q_fp8_code(k.Q, k.q_begin, k.q_len, qi, h, d, q_inv, fp8_dtype=cfg.fp8_dtype)
+                             fp8_dtype=cfg.fp8_dtype, codes=codes)
 
     softmax_ctx = SimpleNamespace(block_m=block_m, block_n=block_n, token_axis=0, kv_major_loops=True,
                                   out_dims=KV_LORA_RANK, deferred_sum=cfg.fast_softmax,
@@ -496,22 +492,17 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     @T.macro
     def load_q_codes(k, q_pass, q_inv):
-        value = q_code if fp8_mma else q_value
         for r, d in T.Parallel(block_m, KV_LORA_RANK):
-            k.Q_lat[r, d] = value(k, q_inv, q_pass, k.hg * block_h + r, d)
+            k.Q_lat[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, d, codes=fp8_mma)
         for r, d in T.Parallel(block_m, ROPE_DIM):
-            k.Q_rope[r, d] = value(k, q_inv, q_pass, k.hg * block_h + r, KV_LORA_RANK + d)
+            k.Q_rope[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, KV_LORA_RANK + d, codes=fp8_mma)
 
-    def q_scaled(k, q_pass, r, d):
-        """``q_split``: Q[query q_pass, row r, dim d] times its row's scale (exact: a power of two), fp32."""
-        return T.cast(q_value(k, None, q_pass, k.hg * block_h + r, d), f32) * k.q_row_scale[r]
-
-    def q_hi(k, q_pass, r, d):
-        return T.cast(q_scaled(k, q_pass, r, d), ring_dtype)
-
-    def q_lo(k, q_pass, r, d):
-        x = q_scaled(k, q_pass, r, d)
-        return T.cast((x - T.cast(T.cast(x, ring_dtype), f32)) * Q_SPLIT_LO, ring_dtype)
+    def q_terms(k, q_pass, r, d):
+        """``q_split``: Q[query q_pass, row r, dim d] times its row's scale (exact: a power of two) as its two e4m3
+        terms (hi, lo): hi = e4m3(x), lo = e4m3((x - hi) * Q_SPLIT_LO)."""
+        x = T.cast(q_value(k, None, q_pass, k.hg * block_h + r, d), f32) * k.q_row_scale[r]
+        hi = T.cast(x, ring_dtype)
+        return hi, T.cast((x - T.cast(hi, f32)) * Q_SPLIT_LO, ring_dtype)
 
     @T.macro
     def load_q_split(k, q_pass):
@@ -528,15 +519,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if seg == 0:  # amax_r into [2^7, 2^8): exact powers of two (an all-zero row: any)
             for i in T.serial(7):
                 k.q_max[0] = T.max(k.q_max[0], k.q_partial[k.tx + 1 + i])
-            k.q_row_factor[row] = T.exp2(T.floor(T.log2(T.max(k.q_max[0], 1e-30))) - Q_SPLIT_TOP)
-            k.q_row_scale[row] = T.exp2(Q_SPLIT_TOP - T.floor(T.log2(T.max(k.q_max[0], 1e-30))))
+            k.q_max[0] = T.floor(T.log2(T.max(k.q_max[0], 1e-30)))  # the row's exponent
+            k.q_row_factor[row] = T.exp2(k.q_max[0] - Q_SPLIT_TOP)
+            k.q_row_scale[row] = T.exp2(Q_SPLIT_TOP - k.q_max[0])
         T.sync_threads(1, CONSUMER_THREADS)
         for r, d in T.Parallel(block_m, KV_LORA_RANK):
-            k.Q_lat[r, d] = q_hi(k, q_pass, r, d)
-            k.Q_lat_lo[r, d] = q_lo(k, q_pass, r, d)
+            k.Q_lat[r, d], k.Q_lat_lo[r, d] = q_terms(k, q_pass, r, d)
         for r, d in T.Parallel(block_m, ROPE_DIM):
-            k.Q_rope[r, d] = q_hi(k, q_pass, r, KV_LORA_RANK + d)
-            k.Q_rope_lo[r, d] = q_lo(k, q_pass, r, KV_LORA_RANK + d)
+            k.Q_rope[r, d], k.Q_rope_lo[r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
 
     @T.macro
     def load_q(k, q_pass, q_inv):
@@ -801,12 +791,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.Ring_lat = [T.alloc_shared([block_n, KV_LORA_RANK], ring_dtype) for _ in range(stages)]
         k.Ring_rope = [T.alloc_shared([block_n, ROPE_DIM], ring_dtype) for _ in range(stages)]
         if fp8_mma:
-            # V^T, every stage. The transposer's addresses assume the layouts wgmma infers for these operands (128-byte
-            # swizzle for the codes, 64-byte for V^T; tests/test_ws_structure.py checks the descriptors): annotating
-            # them made TileLang's generated code vary from run to run.
-            # One buffer for all stages (stage s: rows s * 512 ..): equal-sized buffers are placed by TileLang's planner
-            # in an order that varies from run to run, and with four of them (two ring stages, two V^T stages) its
-            # barrier placement varied with it.
+            # V^T of every stage in one buffer (stage s: rows s * 512 ..): TileLang's planner places equal-sized
+            # buffers in an order that varies from run to run, and with four of them (two ring stages, two V^T
+            # stages) its barrier placement varied with it. The transposer's addresses assume the swizzles wgmma
+            # infers for these operands (128-byte for the codes, 64-byte for V^T; test_ws_structure checks them).
             k.Vt = T.alloc_shared([stages * KV_LORA_RANK, block_n], ring_dtype)
             k.vt_ready = T.alloc_barrier([WARP_GROUP] * stages)
             k.vt_free = T.alloc_barrier([CONSUMER_THREADS] * stages)

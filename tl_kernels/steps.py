@@ -93,20 +93,15 @@ def round_q_to_fp8(value, q_inv, fp8_dtype: str):
     return T.cast(T.clamp(scaled, -fp8_max, fp8_max), fp8_dtype)
 
 
-def q_value(Q, q_begin, q_len, qi, head, d, q_inv, *, q_format: str, fp8_dtype: str):
+def q_value(Q, q_begin, q_len, qi, head, d, q_inv, *, q_format: str, fp8_dtype: str, codes: bool = False):
     """Q[query qi of the sequence, head, dim d] as bf16, 0 past the sequence's queries (the row is clamped, so the
-    load stays in bounds); a8w8 rounds it to fp8 values (``round_q_to_fp8``; ``q_inv``: ``q_inverse``, else unused)."""
+    load stays in bounds); a8w8 rounds it to fp8 values (``round_q_to_fp8``; ``q_inv``: ``q_inverse``, else unused).
+    ``codes`` (a8w8 on fp8 MMA): the fp8 code itself, not its bf16 value."""
     value = Q[q_begin + T.min(qi, q_len - 1), head, d]
     if q_format == "fp8":
         value = round_q_to_fp8(value, q_inv, fp8_dtype)
-    return T.if_then_else(qi < q_len, T.cast(value, "bfloat16"), T.cast(0, "bfloat16"))
-
-
-def q_fp8_code(Q, q_begin, q_len, qi, head, d, q_inv, *, fp8_dtype: str):
-    """a8w8 on fp8 MMA: Q[query qi of the sequence, head, dim d] as its fp8 code (``round_q_to_fp8``), 0 past the
-    sequence's queries (the row clamped as in ``q_value``)."""
-    code = round_q_to_fp8(Q[q_begin + T.min(qi, q_len - 1), head, d], q_inv, fp8_dtype)
-    return T.if_then_else(qi < q_len, code, T.cast(0, fp8_dtype))
+    dtype = fp8_dtype if codes else "bfloat16"
+    return T.if_then_else(qi < q_len, T.cast(value, dtype), T.cast(0, dtype))
 
 
 # ---- the split of a sequence's KV tokens ---------------------------------------------------------------------------

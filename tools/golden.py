@@ -94,7 +94,7 @@ def golden_variants(target: str, only: str = "all") -> list:
     add(schedule.ws_config(spec, kv_format="mxfp4", causal=True, page_size=64),
         schedule.ws_config(spec, kv_format="fp8", page_size=16))
     # a8w8 on fp8 wgmma (issue 28 step 5): flat, and causal over pages of 64.
-    f8mma = dict(fp8_mma=True, direct_stores=False, l2_prefetch=0)
+    f8mma = dict(fp8_mma=True)
     add(schedule.ws_config(spec, kv_format="fp8", q_format="fp8", **f8mma),
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, **f8mma),
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", **f8mma))  # bf16 Q as two e4m3 terms

@@ -52,9 +52,9 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "dst": dict(direct_stores=True),
     "dstod": dict(direct_stores=True, ordered_decode=True),
     # a8w8 on fp8 wgmma: the fp8 codes copied as stored, V^T by a transposing warp group (issue 28, step 5)
-    "f8mma": dict(fp8_mma=True, direct_stores=False, l2_prefetch=0),
-    "f8mmapf3": dict(fp8_mma=True, direct_stores=False, l2_prefetch=3),
-    "f8mma3": dict(fp8_mma=True, direct_stores=False, l2_prefetch=0, num_stages=3),
+    "f8mma": dict(fp8_mma=True),
+    "f8mmapf3": dict(fp8_mma=True, l2_prefetch=3),
+    "f8mma3": dict(fp8_mma=True, num_stages=3),
 }
 TIMING_ONLY = {"idle", "ovidle", "plainidle"}
 DEFAULT_VARIANTS = "st2,st3"
