@@ -156,3 +156,116 @@ def test_bf16_q_as_two_e4m3_terms_holds_it_to_2_pow_minus_8():
     k = e4m3(torch.randn(32, 576, generator=gen) * 8)
     scores, exact = recon @ k.T, q @ k.T
     assert ((scores - exact).abs() <= 2.0**-8 * (q.abs() @ k.abs().T)).all()
+
+
+# ---- mxfp4 on the fp8 wgmma (dequant.MX_E4M3_CUDA_SOURCE; fp8_mma with an mxfp4 cache) ----------------------------
+
+
+def prmt_signed(a, b, sel):
+    """PTX prmt.b32 (default mode) with its selector's sign bit: a selector nibble with bit 3 set gives the chosen
+    byte's top bit replicated over the byte."""
+    src = (np.uint64(b) << np.uint64(32)) | a.astype(np.uint64)
+    out = np.zeros_like(a)
+    for k in range(4):
+        nib = (sel >> np.uint32(4 * k)) & np.uint32(0xF)
+        byte = ((src >> (np.uint64(8) * (nib & np.uint32(7)).astype(np.uint64))) & np.uint64(0xFF)).astype(np.uint32)
+        byte = np.where(nib & np.uint32(8), np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0)), byte)
+        out |= byte << np.uint32(8 * k)
+    return out
+
+
+def mx_source_constants(fn: str) -> list[int]:
+    body = dequant.MX_E4M3_CUDA_SOURCE[dequant.MX_E4M3_CUDA_SOURCE.index(fn):]
+    body = body[: body.index("\n}\n")]
+    return [int(c, 16) for c in re.findall(r"0x([0-9A-Fa-f]+)u", body)]
+
+
+def model_e2m1x4_to_e4m3(w, t_lo, t_hi):
+    """mla_e2m1x4_to_e4m3 on uint32 arrays (codes: the nibbles of w's low half-word)."""
+    mag_sel, sgn_table, _, sign = mx_source_constants("mla_e2m1x4_to_e4m3")[:4]
+    mag = prmt_signed(t_lo, t_hi, w & np.uint32(mag_sel))
+    sgn = prmt_signed(np.full_like(w, sgn_table), np.full_like(w, sgn_table), w & np.uint32(0xFFFF))
+    return mag | ((sgn << np.uint32(1)) & np.uint32(sign))
+
+
+def model_token_exp(codes, scales):
+    """mla_mx_token_exp for whole tokens: codes (n, 576) ints 0..15, scales (n, 18) ints -> (n,) E."""
+    nonzero = ((codes.reshape(len(codes), 18, 32) & 7) != 0).any(axis=2)
+    counted = np.where(nonzero | (scales == 255), scales, 0)
+    return np.maximum(counted.max(axis=1), dequant.MX_E_FLOOR)
+
+
+def model_mx_decode(codes, scales):
+    """The decoder's e4m3 codes (as float64 values) and the tokens' exponents: codes (n, 576), scales (n, 18)."""
+    table = np.array(dequant.mx_table_words(), dtype=np.uint32).reshape(dequant.MX_TABLES, 2)
+    E = model_token_exp(codes, scales)
+    t = np.clip(scales.astype(np.int64) - E[:, None] + 15, 0, 15)  # (n, 18)
+    nib = codes.reshape(len(codes), -1, 4).astype(np.uint32)  # 4 codes per low half-word
+    words = nib[..., 0] | nib[..., 1] << 4 | nib[..., 2] << 8 | nib[..., 3] << 12
+    tt = np.repeat(t, 8, axis=1)  # the table of each group of 4 codes
+    out = model_e2m1x4_to_e4m3(words, table[tt, 0], table[tt, 1])
+    e4m3 = torch.from_numpy(out.view(np.uint8).copy()).view(torch.float8_e4m3fn).double().numpy()
+    return e4m3.reshape(codes.shape), E
+
+
+def mx_case(gen, n, spread):
+    """n tokens of random e2m1 codes (some blocks all zero) and e8m0 bytes spread around 127 by +-spread."""
+    codes = torch.randint(0, 16, (n, 576), generator=gen).numpy()
+    codes.reshape(n, 18, 32)[torch.rand(n, 18, generator=gen).numpy() < 0.1] = 8  # all -0: no nonzero code
+    scales = (127 + torch.randint(-spread, spread + 1, (n, 18), generator=gen)).clamp(0, 254).numpy()
+    return codes, scales
+
+
+def mx_reference(codes, scales):
+    packed = torch.from_numpy((codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8))
+    return formats.dequantize_mxfp4(packed, torch.from_numpy(scales.astype(np.uint8))).double().numpy()
+
+
+@pytest.mark.parametrize("spread", [0, 3, 7])
+def test_mxfp4_as_e4m3_under_the_token_exponent_is_exact(spread):
+    """Within 14 binades of the token's exponent (every block here) the e4m3 codes times 2^(E - 133) are the
+    stored values exactly; all-zero blocks (the exponent ignores them) and negative zeros included."""
+    codes, scales = mx_case(torch.Generator().manual_seed(11 + spread), 512, spread)
+    got, E = model_mx_decode(codes, scales)
+    want = mx_reference(codes, scales)
+    np.testing.assert_array_equal(got * np.exp2(E.astype(np.float64) - 133)[:, None], want)
+
+
+def test_mxfp4_blocks_far_below_the_token_exponent_read_as_zero():
+    """A block more than 14 binades below its token's largest (with a nonzero code) reads as zero; 14 below is
+    still exact; a NaN block (255) makes the exponent 255 (the consumer's column values are then NaN)."""
+    gen = torch.Generator().manual_seed(3)
+    codes, scales = mx_case(gen, 64, 0)
+    codes[:, :32] = 7  # block 0 nonzero everywhere
+    scales[:, 0] = 140
+    scales[:32, 1] = 140 - 14  # exact
+    scales[32:, 1] = 140 - 15  # flushed
+    got, E = model_mx_decode(codes, scales)
+    want = mx_reference(codes, scales)
+    assert (E[:63] == 140).all()
+    scaled = got * np.exp2(E.astype(np.float64) - 133)[:, None]
+    np.testing.assert_array_equal(scaled[:32, 32:64], want[:32, 32:64])
+    assert (scaled[32:, 32:64] == 0).all() and (want[32:, 32:64] != 0).any()
+    nan_scales = scales.copy()
+    nan_scales[5, 9] = 255
+    assert model_token_exp(codes, nan_scales)[5] == 255
+
+
+def test_mxfp4_token_exponent_floor_keeps_tiny_tokens_exact():
+    """Tokens whose blocks all lie far below 2^0 decode under the floor MX_E_FLOOR: exact down to 14 binades under
+    it, and the column values 2^(E - 133), 2^(133 - E) stay within 2^+-64."""
+    codes, scales = mx_case(torch.Generator().manual_seed(4), 64, 2)
+    scales[:] = dequant.MX_E_FLOOR - 10 + np.arange(18)[None, :] % 5
+    got, E = model_mx_decode(codes, scales)
+    assert (E == dequant.MX_E_FLOOR).all()
+    np.testing.assert_array_equal(got * np.exp2(E.astype(np.float64) - 133)[:, None], mx_reference(codes, scales))
+    assert -64 <= dequant.MX_E_FLOOR - 133 and 254 - 133 <= 127
+
+
+def test_mxfp4_table_words_are_e4m3_of_the_magnitudes():
+    table = np.array(dequant.mx_table_words(), dtype=np.uint32).view(np.uint8).reshape(dequant.MX_TABLES, 8)
+    values = torch.from_numpy(table.copy()).view(torch.float8_e4m3fn).double().numpy()
+    mags = np.array(dequant.MX_MAGNITUDES)
+    for t in range(1, dequant.MX_TABLES):
+        np.testing.assert_array_equal(values[t], mags * 2.0 ** (t - 9))
+    assert (values[0] == 0).all()

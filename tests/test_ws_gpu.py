@@ -145,7 +145,7 @@ for page_size in (1, 16, 64):
     cases.append((f"paged {page_size}", dict(kv_lens=[1, 65, 0, 500, 193], q_lens=1, seed=page_size),
                   dict(page_size=page_size, num_splits=3)))
 results = []
-for mode in ("a8w8", "fp8"):  # fp8 Q codes, and bf16 Q as two e4m3 terms
+for mode in sys.argv[1].split(","):  # a8w8 (fp8 Q codes), fp8 and mxfp4 (bf16 Q as two e4m3 terms)
     for label, inputs, kwargs in cases:
         label = f"{mode} {label}"
         try:
@@ -165,10 +165,11 @@ print("RESULT " + json.dumps(results))
 
 
 @launches(lambda **_: [])  # opt-in kernels: built on first use (or prebuilt by tools/ws_check.py, see above)
-def test_fp8_mma_ring_under_a_watchdog():
-    """a8w8 and fp8 (bf16 Q) on fp8 wgmma against the fp32 reference: the ring's boundaries and split counts, one-token splits,
-    causal query passes, paged caches; every call twice; all in one child process that must finish within
-    F8MMA_WATCHDOG_S."""
+@pytest.mark.parametrize("modes", ["a8w8,fp8", "mxfp4"])
+def test_fp8_mma_ring_under_a_watchdog(modes):
+    """a8w8, fp8 (bf16 Q) and mxfp4 (its e4m3 decoder, issue 28 step 4) on fp8 wgmma against the fp32 reference:
+    the ring's boundaries and split counts, one-token splits, causal query passes, paged caches; every call twice;
+    all in one child process that must finish within F8MMA_WATCHDOG_S."""
     import json
     import os
     import subprocess
@@ -176,7 +177,7 @@ def test_fp8_mma_ring_under_a_watchdog():
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        proc = subprocess.run([sys.executable, "-c", _F8MMA_CASES], cwd=repo, capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-c", _F8MMA_CASES, modes], cwd=repo, capture_output=True, text=True,
                               timeout=F8MMA_WATCHDOG_S)
     except subprocess.TimeoutExpired as err:
         done = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")

@@ -15,7 +15,7 @@ import pytest
 from mla import jit, schedule
 from mla.constants import MODES
 from mla.target import spec_for_name
-from tl_kernels.mla_decode_ws import WSDecodeKernelConfig
+from tl_kernels.mla_decode_ws import MX_BLOCKS, WSDecodeKernelConfig
 
 H200 = spec_for_name("sm_90a")
 LOWERED_LDS = {}  # config -> dyn_shared_memory_buf of its lowered kernel (filled by the ``source`` fixture)
@@ -301,10 +301,85 @@ def test_fp8_mma_shared_bytes_bound_the_lowered_allocation(f8mma_source):
     assert lowered <= cfg.shared_bytes <= H200.smem_bytes, (cfg.name, lowered, cfg.shared_bytes)
 
 
-@pytest.mark.parametrize("kv_format,q_format", [("mxfp4", "bf16"), ("bf16", "bf16")])
-def test_fp8_mma_reads_an_fp8_cache_only(kv_format, q_format):
+@pytest.mark.parametrize("kv_format,q_format", [("mxfp4", "fp8"), ("bf16", "bf16"), ("mxfp4", "fp8_codes")])
+def test_fp8_mma_reads_an_fp8_cache_or_mxfp4_with_bf16_q(kv_format, q_format):
     with pytest.raises(ValueError, match="fp8_mma reads an fp8 cache"):
         WSDecodeKernelConfig(kv_format=kv_format, q_format=q_format, fp8_mma=True)
+
+
+# ---- mxfp4 on fp8 wgmma (``fp8_mma`` with an mxfp4 cache, issue 28 step 4) -------------------------------------
+
+
+@pytest.fixture(scope="module", params=[(False, 0), (True, 64)], ids=["flat", "causal-page64"])
+def mx_mma_source(request):
+    causal, page_size = request.param
+    cfg = schedule.ws_config(H200, kv_format="mxfp4", causal=causal, page_size=page_size, **F8MMA)
+    artifact = jit.lower(cfg, H200)
+    return cfg, artifact.kernel_source, jit.lowered_lds_bytes(artifact)
+
+
+def test_mx_mma_decodes_mxfp4_to_e4m3_for_fp8_wgmma(mx_mma_source):
+    """The decoder warp group loads the codes into registers and writes e4m3 codes by address (9 blocks per tile,
+    per stage, with and without the next tile's loads), the transposer writes V^T, both GEMMs are fp8 wgmma with Q
+    as two terms, and the consumer reads the tile's column values (score factor, offset, weight)."""
+    cfg, src, _ = mx_mma_source
+    assert cfg.mx_mma and cfg.q_split and cfg.fast_softmax
+    body = src[src.index("__global__"):]
+    consumer, producers = body[: body.index("warpgroup_reg_dealloc")], producer_code(body)
+    assert "cp_async" not in producers and "mla_ld_global_16" in producers and "mla_ld_global_u8" in producers
+    assert producers.count("mla_mx_block_to_e4m3(") == 2 * cfg.num_stages * MX_BLOCKS
+    assert producers.count("mla_mx_token_exp(") == producers.count("mla_mx_store_columns(") == 2 * cfg.num_stages
+    assert producers.count("mla_transpose_v_fp8(") == cfg.num_stages and "mla_opaque(" in producers
+    fp8_wgmma = "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 16, 32,"
+    assert fp8_wgmma in consumer and "kBFloat16" not in consumer and "wgmma" not in producers
+    assert consumer.count(fp8_wgmma) == cfg.num_stages * 5, "two score groups of two wgmma loops, one P V, per stage"
+    assert "initialize_wgmma_descriptor<1, 1, 64>(desc_a" in consumer, "latent codes not 128-byte swizzled"
+    assert consumer.count("initialize_wgmma_descriptor<2, 1, 32>(desc_a") >= 2 * cfg.num_stages
+    assert "__syncthreads" not in producers, "a CTA-wide barrier in the producers' loop"
+    # the registers: consumer + decoder + transposer within the pool
+    assert cfg.consumer_regs + cfg.group_regs(0) + cfg.group_regs(1) <= 504 and cfg.group_regs(1) == 128
+
+
+def test_mx_mma_shared_bytes_bound_the_lowered_allocation(mx_mma_source):
+    cfg, _, lowered = mx_mma_source
+    assert lowered <= cfg.shared_bytes <= H200.smem_bytes, (cfg.name, lowered, cfg.shared_bytes)
+
+
+def mx_decoder_stores():
+    """A model of ``mx_chunk_addr`` (tl_kernels/mla_decode_ws.py): per warp and (block, half), the 32 lanes'
+    (token, first dim) and shared byte offset (latent: 8 KiB panels of 128 dims, 128-byte swizzle; rope: 64-byte
+    rows, 64-byte swizzle, at offset ROPE)."""
+    rope = 1 << 20
+    accesses = []
+    for warp in range(4):
+        for b in range(MX_BLOCKS):
+            for half in range(2):
+                lanes = []
+                for lane in range(32):
+                    p = 32 * warp + lane
+                    i, h = p // 2, p % 2
+                    if b < MX_BLOCKS - 1:
+                        c = 2 * b + half
+                        lanes.append(((i, 256 * h + 16 * c), (2 * h + c // 8) * 8192 + i * 128 + (((c % 8) ^ (i % 8)) << 4)))
+                    else:
+                        q = 2 * h + half
+                        lanes.append(((i, 512 + 16 * q), rope + i * 64 + ((q ^ (i // 2 % 4)) << 4)))
+                accesses.append(lanes)
+    return accesses
+
+
+def test_mx_decoder_writes_every_chunk_once_at_full_store_width():
+    """Every 16-byte chunk of a stage (64 tokens x 576 codes) is written once, where TileLang's swizzles put it
+    (the transposer's source formula for the latent panels), and each warp-wide 16-byte store needs the minimum of 4
+    shared-memory wavefronts (each 128-byte bank window holds every 16-byte slot 4 times)."""
+    accesses = mx_decoder_stores()
+    chunks = [where for lanes in accesses for where, _ in lanes]
+    assert sorted(chunks) == sorted((i, d) for i in range(64) for d in range(0, 576, 16))
+    offsets = [offset for lanes in accesses for _, offset in lanes]
+    assert len(set(offsets)) == len(offsets)
+    for lanes in accesses:
+        slots = [offset % 128 // 16 for _, offset in lanes]
+        assert max(slots.count(x) for x in range(8)) == 4, slots
 
 
 @pytest.mark.parametrize("field", ["overlap", "direct_stores", "ordered_decode", "idle_producers"])

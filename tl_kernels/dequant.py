@@ -279,9 +279,12 @@ def store_swizzled_32(addr, src):
     return T.call_extern("handle", "mla_st_shared_swz32", addr, T.access_ptr(src, "r"))
 
 
-def transpose_v_fp8(src_addr, dst_addr, p):
+def transpose_v_fp8(src_addr, dst_addr, p, opaque=False):
     """Thread ``p`` (0..127) of the transposing warp group's share of one tile's fp8 V^T: from the ring stage at
-    shared address ``src_addr`` to the V^T stage at ``dst_addr`` (``TRANSPOSE_CUDA_SOURCE``)."""
+    shared address ``src_addr`` to the V^T stage at ``dst_addr`` (``TRANSPOSE_CUDA_SOURCE``); ``opaque``: p through
+    ``mla_opaque`` (``MX_E4M3_CUDA_SOURCE``)."""
+    if opaque:
+        p = T.call_extern("int32", "mla_opaque", p)
     return T.call_extern("handle", "mla_transpose_v_fp8", src_addr, dst_addr, p)
 
 
@@ -293,3 +296,124 @@ def e2m1x16_to_bf16(dst, src, scale_byte, z=None):
                              scale_byte)
     return T.call_extern("handle", "mla_e2m1x16_to_bf16_z", T.access_ptr(dst, "w"), T.access_ptr(src, "r"),
                          scale_byte, z)
+
+
+# mxfp4 on the fp8 wgmma (``WSDecodeKernelConfig.fp8_mma`` with an mxfp4 cache; issue 28 step 4). e2m1 codes are
+# exact in e4m3 under a power of two, but a token's 18 blocks have their own: the decoder writes each code as the
+# e4m3 of ``code * 2^(e_b - E + MX_HEADROOM)``, E the token's exponent (its largest e8m0 byte among blocks holding a
+# nonzero code, at least MX_E_FLOOR; 255 if any byte is 255, e8m0's NaN), and hands the consumer 2^(E - 133) per
+# token: a column factor of the scores and, for P V, an offset of the softmax argument (``mx_columns``).
+# Exact while E - e_b <= 14 (e2m1's 0.5 .. 6 times 2^-8 .. 2^6 over e4m3fn's 2^-9 .. 448); a block further below
+# its token's largest reads as zero (for a quantizer that scales each block to its amax, < 2^-14 of the token's
+# largest magnitude); blocks below 2^(MX_E_FLOOR - 14 - 127) likewise.
+MX_HEADROOM = 6  # the token's largest block lands on e4m3's top binades (6 * 2^6 = 384 <= 448)
+MX_E_FLOOR = 69  # E >= 69: the column values 2^(E - 133) and 2^(133 - E) stay within 2^+-64
+MX_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitude codes 0..7
+MX_TABLES = 16  # table t: magnitudes times 2^(t - 9); t = 0 (2^-9): all zero (flushed)
+
+
+def e4m3fn_byte(value: float) -> int:
+    """The e4m3fn code of a nonnegative value that e4m3fn holds exactly (raises otherwise)."""
+    if value == 0:
+        return 0
+    for code in range(0x7F):
+        exp, man = code >> 3, code & 7
+        v = (man / 8) * 2.0**-6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+        if v == value:
+            return code
+    raise ValueError(f"{value} is not exact in e4m3fn")
+
+
+def mx_table_words() -> tuple[int, ...]:
+    """The decode tables, two 32-bit words each (table t's byte m: e4m3fn of magnitude m times 2^(t - 9)); table 0
+    is all zero (a block more than 14 binades below its token's exponent)."""
+    words = []
+    for t in range(MX_TABLES):
+        scale = 2.0 ** (t - 9)
+        b = [0] * 8 if t == 0 else [e4m3fn_byte(m * scale) for m in MX_MAGNITUDES]
+        words += [b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24]
+    return tuple(words)
+
+
+MX_E4M3_CUDA_SOURCE = r"""
+// p as a value the compiler cannot see through: the transposer's lane-dependent addresses are then computed per
+// tile, not hoisted out of the tile loop (in the mxfp4 kernel ptxas kept them all live and spilled them).
+__device__ __forceinline__ int mla_opaque(int p) {
+  int q;
+  asm volatile("mov.b32 %0, %1;" : "=r"(q) : "r"(p));
+  return q;
+}
+// 4 e2m1 codes (the nibbles of w's low half-word, code k in nibble k) -> 4 e4m3fn codes (byte k), from the 8-byte
+// table t of the magnitudes' codes: one permute picks the magnitudes (selector nibbles = the codes' 3 low bits);
+// a second, with the codes as they are, gives 0x80 where the code is positive and 0xFF (sign replicated) where it
+// is negative; its bit 6, moved up, is the sign. 5 instructions.
+__device__ __forceinline__ unsigned mla_e2m1x4_to_e4m3(unsigned w, unsigned t_lo, unsigned t_hi) {
+  const unsigned mag = mla_prmt(t_lo, t_hi, w & 0x7777u);
+  const unsigned sgn = mla_prmt(0x80808080u, 0x80808080u, w);
+  return mag | ((sgn << 1) & 0x80808080u);
+}
+// The token exponent E of the decoder thread pair (p, p ^ 1) that holds a token's two halves: the largest e8m0
+// byte among its 9 blocks (4 words of codes each, at raw) that hold a nonzero code or are NaN (255), at least
+// MLA_MX_E_FLOOR, the larger of the pair's (one shuffle; every lane of the warp takes part).
+__device__ __forceinline__ unsigned mla_mx_token_exp(const void* raw_ptr, const void* scale_ptr) {
+  const unsigned* raw = (const unsigned*)raw_ptr;
+  const unsigned* sc = (const unsigned*)scale_ptr;
+  unsigned e = MLA_MX_E_FLOOR;
+#pragma unroll
+  for (int b = 0; b < 9; ++b) {
+    const unsigned any = (raw[4 * b] | raw[4 * b + 1] | raw[4 * b + 2] | raw[4 * b + 3]) & 0x77777777u;
+    e = max(e, (any != 0u || sc[b] == 255u) ? sc[b] : 0u);
+  }
+  return max(e, __shfl_xor_sync(0xffffffffu, e, 1));
+}
+// The consumer's values of a token of exponent E, at addr (this token's float of the slot's first array; the
+// three arrays 256 bytes apart): the score factor 2^(E - 133), the softmax offset E - 133 and the denominator
+// weight 2^(133 - E) (all NaN for E == 255).
+__device__ __forceinline__ void mla_mx_store_columns(unsigned addr, unsigned E) {
+  const bool nan = E == 255u;
+  const unsigned f = nan ? 0x7FC00000u : (E - 6u) << 23;
+  const unsigned w = nan ? 0x7FC00000u : (260u - E) << 23;
+  const float c = nan ? __int_as_float(0x7FC00000) : (float)((int)E - 133);
+  asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(f) : "memory");
+  asm volatile("st.shared.f32 [%0], %1;" :: "r"(addr + 256u), "f"(c) : "memory");
+  asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr + 512u), "r"(w) : "memory");
+}
+// One 32-code block (4 words at raw) with e8m0 byte e under token exponent E -> 32 e4m3fn codes, stored as two
+// 16-byte chunks at shared addresses a0 (codes 0..15) and a1 (16..31). The table (MLA_MX_TABLES pairs of words at
+// table_addr): e - E + 15, clamped to 0 .. 15 (a block with no nonzero code may lie above E: any table decodes it).
+__device__ __forceinline__ void mla_mx_block_to_e4m3(unsigned a0, unsigned a1, const void* raw_ptr, unsigned e,
+                                                     unsigned E, unsigned table_addr) {
+  const unsigned* raw = (const unsigned*)raw_ptr;
+  const int t = min(max((int)e - (int)E + 15, 0), 15);
+  unsigned t_lo, t_hi;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(t_lo), "=r"(t_hi) : "r"(table_addr + 8u * t) : "memory");
+  unsigned o[8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    o[2 * k] = mla_e2m1x4_to_e4m3(raw[k], t_lo, t_hi);
+    o[2 * k + 1] = mla_e2m1x4_to_e4m3(raw[k] >> 16, t_lo, t_hi);
+  }
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(a0), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
+               : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(a1), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7])
+               : "memory");
+}
+""".replace("MLA_MX_E_FLOOR", f"{MX_E_FLOOR}u")
+
+
+def mx_token_exp(raw, scale):
+    """The token exponent of the decoder thread pair (``mla_mx_token_exp``): ``raw`` the thread's 36 code words,
+    ``scale`` its 9 scale words (local buffer elements)."""
+    return T.call_extern("uint32", "mla_mx_token_exp", T.access_ptr(raw, "r"), T.access_ptr(scale, "r"))
+
+
+def mx_store_columns(addr, token_exp):
+    """The consumer's column values of a token at shared address ``addr`` (``mla_mx_store_columns``)."""
+    return T.call_extern("handle", "mla_mx_store_columns", addr, token_exp)
+
+
+def mx_block_to_e4m3(addr0, addr1, raw, scale_byte, token_exp, table_addr):
+    """One 32-code block from ``raw`` (a local word) into the e4m3 ring at two chunk addresses
+    (``mla_mx_block_to_e4m3``)."""
+    return T.call_extern("handle", "mla_mx_block_to_e4m3", addr0, addr1, T.access_ptr(raw, "r"), scale_byte,
+                         token_exp, table_addr)

@@ -61,6 +61,16 @@ P_FP8_SCALE = 256.0
 # and the pair holds x to about 2^-8.
 Q_SPLIT_LO = 16.0
 Q_SPLIT_TOP = 7  # amax_r is scaled into [2^7, 2^8)
+# ``mx_mma``: the transposer's registers (its 8 blocks' words and addresses); the mxfp4 decoder takes the rest.
+MX_TRANSPOSER_REGS = 128
+# ``mx_mma``: a decoder thread's share of a tile: token p / 2, blocks 8 h .. 8 h + 7 of the latent dims and rope
+# block 16 + h (h = p % 2): 9 blocks of 32 codes, 4 words each.
+MX_BLOCKS = 9
+MX_WORDS = 4 * MX_BLOCKS
+# ``mx_mma``: per tile, the consumer's three column arrays of 64 floats (``dequant.mla_mx_store_columns``), in
+# 2 * num_stages slots (slot s + num_stages * round parity): a tile's values are read after its stage is released,
+# and the slot is rewritten only two rounds later.
+MX_COLUMN_BYTES = 3 * 64 * 4
 
 
 @dataclass(frozen=True)
@@ -125,9 +135,13 @@ class WSDecodeKernelConfig:
         if self.block_h != 16 or self.block_n != 64:
             raise ValueError("the warp-specialised kernel is built for 16 query rows x 64-token tiles")
         if self.fp8_mma:
-            if self.kv_format != "fp8" or self.q_format not in ("fp8", "bf16"):
-                raise ValueError(f"fp8_mma reads an fp8 cache with fp8 or bf16 Q (kv_format='fp8', q_format 'fp8' "
-                                 f"or 'bf16'), got kv_format={self.kv_format!r}, q_format={self.q_format!r}")
+            if (self.kv_format, self.q_format) not in (("fp8", "fp8"), ("fp8", "bf16"), ("mxfp4", "bf16")):
+                raise ValueError(f"fp8_mma reads an fp8 cache with fp8 or bf16 Q, or an mxfp4 cache with bf16 Q "
+                                 f"(kv_format 'fp8' / 'mxfp4'), got kv_format={self.kv_format!r}, "
+                                 f"q_format={self.q_format!r}")
+            if self.mx_mma and not self.fast_softmax:
+                raise ValueError("fp8_mma with an mxfp4 cache weights the softmax denominators per token: it needs "
+                                 "fast_softmax (the per-position sums)")
             if self.overlap or self.direct_stores or self.ordered_decode or self.idle_producers:
                 raise ValueError("fp8_mma has no decoders and a serial consumer: overlap, direct_stores, "
                                  "ordered_decode and idle_producers must be off")
@@ -140,7 +154,7 @@ class WSDecodeKernelConfig:
             raise ValueError("direct_stores is the decoders' (fp8 / mxfp4): a bf16 cache is copied, not stored")
         if self.l2_prefetch < 0:
             raise ValueError(f"l2_prefetch must be >= 0 (tiles ahead; 0: off), got {self.l2_prefetch}")
-        producers = {f"producer_regs (group {g})": self.producer_regs for g in range(self.producer_groups)}
+        producers = {f"producer_regs (group {g})": self.group_regs(g) for g in range(self.producer_groups)}
         steps.check_register_budgets("WSDecodeKernelConfig", {"consumer_regs": self.consumer_regs, **producers},
                                      self.threads)
 
@@ -152,6 +166,12 @@ class WSDecodeKernelConfig:
     def q_split(self) -> bool:
         """``fp8_mma`` with bf16 Q: Q as two e4m3 terms (hi, lo), two score wgmma per tile."""
         return self.fp8_mma and self.q_format == "bf16"
+
+    @property
+    def mx_mma(self) -> bool:
+        """``fp8_mma`` with an mxfp4 cache: a decoder warp group writes e4m3 codes under per-token exponents
+        (``dequant.MX_E4M3_CUDA_SOURCE``) into the ring the transposer and the fp8 wgmma read."""
+        return self.fp8_mma and self.kv_format == "mxfp4"
 
     @property
     def semaphores_per_seq(self) -> int:
@@ -169,10 +189,18 @@ class WSDecodeKernelConfig:
 
     @property
     def producer_regs(self) -> int:
-        """setmaxnreg of each producer warp group: a copier needs few, decoders the registers the consumer leaves."""
+        """setmaxnreg of the first producer warp group (of each, but with ``mx_mma``): a copier needs few, decoders
+        the registers the consumer leaves (``mx_mma``: what the consumer and the transposer leave)."""
         if self.kv_format == "bf16":
             return 96
+        if self.mx_mma:
+            return (REGS_PER_LANE - self.consumer_regs - MX_TRANSPOSER_REGS) // 8 * 8
         return (REGS_PER_LANE - self.consumer_regs) // self.producer_groups // 8 * 8
+
+    def group_regs(self, group: int) -> int:
+        """setmaxnreg of producer warp group ``group`` (0: copier / decoders, 1: the second decoder group or the
+        transposer)."""
+        return MX_TRANSPOSER_REGS if self.mx_mma and group == 1 else self.producer_regs
 
     @property
     def raw_cols(self) -> int:
@@ -188,7 +216,8 @@ class WSDecodeKernelConfig:
         if self.fp8_mma:  # 1-byte operands; per stage the codes and their V^T
             ring = self.num_stages * (kib(self.block_n * QK_DIM) + kib(self.block_n * KV_LORA_RANK))
             q_terms = 2 if self.q_split else 1
-            return ring + q_terms * kib(QK_DIM * self.block_m) + kib(self.block_m * self.block_n) + 4 * 1024
+            mx = kib(2 * self.num_stages * MX_COLUMN_BYTES) + kib(4 * 2 * dequant.MX_TABLES) if self.mx_mma else 0
+            return ring + q_terms * kib(QK_DIM * self.block_m) + kib(self.block_m * self.block_n) + 4 * 1024 + mx
         ring = self.num_stages * kib(2 * self.block_n * QK_DIM)
         return ring + kib(2 * QK_DIM * self.block_m) + kib(2 * self.block_m * self.block_n) + 4 * 1024
 
@@ -370,10 +399,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     @T.macro
     def transpose_tiles(k):
-        """``fp8_mma``: per tile, once its codes have landed (the copier's "ready") and the V^T stage of the same
-        index is free (the MMA warp group's "vt_free", after the P V two tiles back), its V^T into that stage; then
-        "vt_ready", and its share of the ring stage's release ("free": the codes are read)."""
-        T.set_max_nreg(cfg.producer_regs, 0)
+        """``fp8_mma``: per tile, once its codes have landed (the copier's or the mxfp4 decoder's "ready") and the
+        V^T stage of the same index is free (the MMA warp group's "vt_free", after the P V two tiles back), its V^T
+        into that stage; then "vt_ready", and its share of the ring stage's release ("free": the codes are read)."""
+        T.set_max_nreg(cfg.group_regs(1), 0)
         p = k.tx - CONSUMER_THREADS - WARP_GROUP
         for s in list(range(stages)):
             k.vt_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][0, 0])
@@ -387,10 +416,91 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     # ever completes two phases ahead of its waiter (a parity wait would then hang).
                     T.barrier_wait(k.vt_free[s], ring_parity(k, q_pass, rnd) ^ 1)
                     if tile < k.num_tiles:
-                        T.evaluate(dequant.transpose_v_fp8(k.vt_addr[2 * s], k.vt_addr[2 * s + 1], p))
+                        T.evaluate(dequant.transpose_v_fp8(k.vt_addr[2 * s], k.vt_addr[2 * s + 1], p, opaque=cfg.mx_mma))
                         T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
                     T.barrier_arrive(k.vt_ready[s])
                     T.barrier_arrive(k.free[s])
+
+    # ---- ``mx_mma``: the mxfp4 decoder (producer group 0; the transposer above is group 1)
+
+    def mx_place(k, b):
+        """(code column, scale column) of the decoder thread's block b: latent blocks 8 h + b (b < 8), rope block
+        16 + h (b == 8)."""
+        if b < MX_BLOCKS - 1:
+            return 128 * k.mx_h + 16 * b, 8 * k.mx_h + b
+        return KV_LORA_RANK // 2 + 16 * k.mx_h, 16 + k.mx_h
+
+    def mx_chunk_addr(k, s, b, half):
+        """Shared address of chunk ``half`` (codes 16 half .. + 15) of block b in stage s, in TileLang's swizzles of
+        the ring (those the transposer assumes; tests/test_ws_structure.py checks them): latent chunk c = 2 b + half
+        of row i in panel 2 h + c / 8 at 16-byte slot (c % 8) ^ (i % 8); rope chunk 2 h + half of row i (64-byte
+        rows) at slot (2 h + half) ^ (i / 2 % 4)."""
+        i = k.mx_token
+        if b < MX_BLOCKS - 1:
+            c = 2 * b + half
+            return (k.mx_addr[2 * s] + (2 * k.mx_h + c // 8) * 8192 + i * 128
+                    + T.shift_left(T.bitwise_xor(c % 8, i % 8), 4))
+        return k.mx_addr[2 * s + 1] + i * 64 + T.shift_left(T.bitwise_xor(2 * k.mx_h + half, i // 2 % 4), 4)
+
+    @T.macro
+    def mx_fetch_block(k, buf, b):
+        """Issue the loads of block b (16 bytes of codes, its scale byte) of row ``k.mx_row[buf]`` into register
+        buffer ``buf``."""
+        col, scol = mx_place(k, b)
+        T.evaluate(dequant.load_vector(k.mx_raw[(buf * MX_BLOCKS + b) * 4], k.KV[k.mx_row[buf], col], 16))
+        k.mx_scale[buf * MX_BLOCKS + b] = dequant.load_byte(k.KV_scales[k.mx_row[buf] * k.scale_stride + scol])
+
+    @T.macro
+    def mx_store_tile(k, s, parity, next_lo):
+        """Register buffer ``s`` (the token's half in tile ``s`` mod 2) into stage ``s``: the token exponent (one
+        shuffle with the partner thread), the consumer's column values (the even thread), then per block its e4m3
+        codes, and as each block's registers free up the load of the same block of the tile two ahead (starting at
+        ``next_lo``; None: no such tile)."""
+        k.mx_exp[0] = dequant.mx_token_exp(k.mx_raw[s * MX_WORDS], k.mx_scale[s * MX_BLOCKS])
+        if k.mx_h == 0:
+            T.evaluate(dequant.mx_store_columns(
+                k.mx_addr[2 * stages + 1] + (s + stages * parity) * MX_COLUMN_BYTES + k.mx_token * 4, k.mx_exp[0]))
+        if next_lo is not None:
+            k.mx_row[s] = cache_row(k, tile_pos(k, next_lo, k.mx_token))
+        for b in list(range(MX_BLOCKS)):
+            T.evaluate(dequant.mx_block_to_e4m3(mx_chunk_addr(k, s, b, 0), mx_chunk_addr(k, s, b, 1),
+                                                k.mx_raw[(s * MX_BLOCKS + b) * 4], k.mx_scale[s * MX_BLOCKS + b],
+                                                k.mx_exp[0], k.mx_addr[2 * stages]))
+            if next_lo is not None:
+                mx_fetch_block(k, s, b)
+
+    @T.macro
+    def decode_mx_tiles(k):
+        """``mx_mma``: tiles t and t + 1 are loaded ahead; per tile, wait for a free stage, write its e4m3 codes and
+        column values, fence, "ready" (the transposer then writes its V^T)."""
+        T.set_max_nreg(cfg.producer_regs, 0)
+        for s in list(range(stages)):
+            k.mx_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][0, 0])
+            k.mx_addr[2 * s + 1] = dequant.smem_addr(k.Ring_rope[s][0, 0])
+        k.mx_addr[2 * stages] = dequant.smem_addr(k.mx_table[0])
+        k.mx_addr[2 * stages + 1] = dequant.smem_addr(k.mx_cols[0])
+        # The decode tables: every decoder thread writes all of them and reads only what it wrote itself (the same
+        # words), so no barrier orders the threads' writes.
+        for w, word in enumerate(dequant.mx_table_words()):
+            k.mx_table[w] = T.uint32(word)
+        for q_pass in T.serial(k.num_passes):
+            for first in list(range(stages)):
+                if first < k.num_tiles:
+                    k.mx_row[first] = cache_row(k, tile_pos(k, k.split_lo + first * block_n, k.mx_token))
+                    for b in list(range(MX_BLOCKS)):
+                        mx_fetch_block(k, first, b)
+            for rnd in T.serial(k.rounds):
+                for s in list(range(stages)):  # static: stage s and register buffer s hold tiles t = s (mod 2)
+                    tile = rnd * stages + s
+                    parity = ring_parity(k, q_pass, rnd)
+                    T.barrier_wait(k.free[s], parity ^ 1)
+                    if tile < k.num_tiles:
+                        if tile + stages < k.num_tiles:
+                            mx_store_tile(k, s, parity, k.split_lo + (tile + stages) * block_n)
+                        else:
+                            mx_store_tile(k, s, parity, None)
+                        T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
+                    T.barrier_arrive(k.ready[s])
 
     def chunk_place(k, j):
         """(tile row, first dim) of the decoder thread's chunk j (see CHUNKS_PER_THREAD)."""
@@ -480,7 +590,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             pass_tiles(k)
         elif fp8_mma:
             if k.tx < CONSUMER_THREADS + WARP_GROUP:
-                copy_tiles(k)
+                if cfg.mx_mma:
+                    decode_mx_tiles(k)
+                else:
+                    copy_tiles(k)
             else:
                 transpose_tiles(k)
         elif decodes:
@@ -542,12 +655,25 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         reduction)."""
         return k.tile_max.access_ptr("rw", offset=s * 64) if cfg.fast_softmax else None
 
+    def mx_column(k, slot, array, j):
+        """``mx_mma``: token j's value in column array ``array`` of column slot ``slot`` (0: the score factor
+        2^(E - 133), 1: the softmax offset E - 133, 2: the denominator weight 2^(133 - E))."""
+        return k.mx_cols[slot * (MX_COLUMN_BYTES // 4) + array * block_n + j]
+
     @T.macro
-    def mask_scores(k, tile_lo, horizon, score_scale):
+    def mask_scores(k, tile_lo, horizon, score_scale, slot=None):
         """The finished scores times the score scale; -inf past the horizon (split end, causal). ``q_split``: the
-        two terms' scores summed and the row's Q scale undone first."""
+        two terms' scores summed and the row's Q scale undone first. ``mx_mma`` (column slot ``slot``): each token's
+        score times its factor 2^(E - 133), plus E - 133 (its values' factor, carried into P: P' = P 2^(E - 133),
+        the denominator weighted back by 2^(133 - E), ``mx_weight``)."""
         for j, r in T.Parallel(block_n, block_m):
-            if cfg.q_split:
+            if cfg.mx_mma:
+                k.acc_s[j, r] = T.if_then_else(
+                    tile_lo + j < horizon,
+                    (k.acc_s[j, r] + k.acc_s_lo[j, r] * (1.0 / Q_SPLIT_LO)) * (score_scale * k.q_row_factor[r])
+                    * mx_column(k, slot, 0, j) + mx_column(k, slot, 1, j),
+                    -T.infinity(f32))
+            elif cfg.q_split:
                 k.acc_s[j, r] = T.if_then_else(
                     tile_lo + j < horizon,
                     (k.acc_s[j, r] + k.acc_s_lo[j, r] * (1.0 / Q_SPLIT_LO)) * (score_scale * k.q_row_factor[r]),
@@ -598,9 +724,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 T.gemm(k.Ring_rope[s], k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
         if fp8_mma:
             T.barrier_arrive(k.free[s])  # the codes are read (P V reads V^T): the copier may refill the stage
-        mask_scores(k, tile_lo, horizon, score_scale)
+        slot = s + stages * parity if cfg.mx_mma else None  # the tile's column values (mx_mma)
+        mask_scores(k, tile_lo, horizon, score_scale, slot)
         # Online softmax in base 2 (S^T and O^T: the KV tile is the wgmma M dimension).
-        steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s))
+        steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s),
+                                    (lambda j: mx_column(k, slot, 2, j)) if cfg.mx_mma else None)
         steps.rescale_output(softmax_ctx, k)
         store_p(k)
         # O^T += V^T P^T.
@@ -796,6 +924,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             # stages) its barrier placement varied with it. The transposer's addresses assume the swizzles wgmma
             # infers for these operands (128-byte for the codes, 64-byte for V^T; test_ws_structure checks them).
             k.Vt = T.alloc_shared([stages * KV_LORA_RANK, block_n], ring_dtype)
+            if cfg.mx_mma:
+                k.mx_table = T.alloc_shared([2 * dequant.MX_TABLES], "uint32")
+                k.mx_cols = T.alloc_shared([2 * stages * MX_COLUMN_BYTES // 4], f32)
             k.vt_ready = T.alloc_barrier([WARP_GROUP] * stages)
             k.vt_free = T.alloc_barrier([CONSUMER_THREADS] * stages)
         k.ready = T.alloc_barrier([ready_count] * stages)
@@ -814,6 +945,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if decodes:
             p = k.tx - CONSUMER_THREADS
             k.warp, k.r8, k.c4 = p // 32, p % 8, p % 32 // 8
+        if cfg.mx_mma:  # the mxfp4 decoder thread's token of the tile and half of it (mx_place)
+            p = k.tx - CONSUMER_THREADS
+            k.mx_token, k.mx_h = p // 2, p % 2
 
     def producer_registers(k):
         """A decoder thread's register buffers: two tiles of codes (and scale bytes), one chunk of bf16."""
@@ -826,6 +960,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.zero_word = T.alloc_shared([1], "uint32") if cfg.ordered_decode else None  # the shared 0 it reads
         if fp8_mma:  # the transposer's stage addresses: (codes, V^T) per stage
             k.vt_addr = T.alloc_local([2 * stages], "uint32")
+        if cfg.mx_mma:  # the mxfp4 decoder's: two tiles of codes and scale bytes, their rows, its shared addresses
+            k.mx_raw = T.alloc_local([2 * MX_WORDS], "uint32")
+            k.mx_scale = T.alloc_local([2 * MX_BLOCKS], "uint32")
+            k.mx_row = T.alloc_local([2], "int32")
+            k.mx_exp = T.alloc_local([1], "uint32")
+            k.mx_addr = T.alloc_local([2 * stages + 2], "uint32")  # (codes, rope) per stage, the tables, the columns
 
     def consumer_state(k, qo_indptr, seq_id):
         """The consumer's Q and P tiles, accumulators and query range."""
@@ -859,7 +999,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
             dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0, ordered=cfg.ordered_decode,
                                        extra=(steps.TILE_MAX_CUDA_SOURCE if cfg.fast_softmax else "")
-                                       + (dequant.TRANSPOSE_CUDA_SOURCE if fp8_mma else ""))
+                                       + (dequant.TRANSPOSE_CUDA_SOURCE if fp8_mma else "")
+                                       + (dequant.MX_E4M3_CUDA_SOURCE if cfg.mx_mma else ""))
             k = SimpleNamespace(Q=Q, KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Q_scale=Q_scale,
                                 KV_scale=KV_scale, Page_table=Page_table, sm_scale=sm_scale, O_partial=O_partial,
                                 LSE_partial=LSE_partial, Semaphores=Semaphores, Out=Out, LSE=LSE, hg=hg)

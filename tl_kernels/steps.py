@@ -143,7 +143,7 @@ def online_softmax_step(c, k):
 
 
 @T.macro
-def softmax_probabilities(c, k, tile_max_scratch=None):
+def softmax_probabilities(c, k, tile_max_scratch=None, weight=None):
     """The first half of ``online_softmax_step``: row maxima, rescale factors, probabilities (exp2, in place in
     ``k.acc_s``) and the running sum; ``k.acc_o`` untouched (a kernel whose P V of the previous tile is still in
     flight on it rescales it later, ``rescale_output``).
@@ -152,7 +152,8 @@ def softmax_probabilities(c, k, tile_max_scratch=None):
     ``mla_ws_tile_max`` (one warp group's wgmma m64n16 S^T tile, one barrier) instead of TileLang's reduction (one
     cross-warp exchange per row value, two barriers each). ``c.deferred_sum``: the running sum is kept per score
     position in ``k.psum`` (rescaled like the output) and reduced once per pass (``deferred_denominator``), not per
-    tile."""
+    tile. ``weight`` (with ``c.deferred_sum``): a function of the token index whose value multiplies each
+    probability in the running sum (a token whose values are carried in P by a factor: the sum takes it back out)."""
     T.copy(k.row_max, k.row_max_prev)
     if tile_max_scratch is None:
         T.reduce_max(k.acc_s, k.row_max, dim=c.token_axis, clear=False)
@@ -169,7 +170,10 @@ def softmax_probabilities(c, k, tile_max_scratch=None):
         for r, j in T.Parallel(c.block_m, c.block_n):
             k.acc_s[c.tr(r, j)] = T.exp2(k.acc_s[c.tr(r, j)] - k.row_max_safe[r])
     if c.deferred_sum:
-        if c.kv_major_loops:
+        if weight is not None:
+            for j, r in T.Parallel(c.block_n, c.block_m):
+                k.psum[c.tr(r, j)] = k.psum[c.tr(r, j)] * k.rescale[r] + k.acc_s[c.tr(r, j)] * weight(j)
+        elif c.kv_major_loops:
             for j, r in T.Parallel(c.block_n, c.block_m):
                 k.psum[c.tr(r, j)] = k.psum[c.tr(r, j)] * k.rescale[r] + k.acc_s[c.tr(r, j)]
         else:

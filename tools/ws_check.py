@@ -72,7 +72,8 @@ def variants_for(mode: str, names: str = DEFAULT_VARIANTS, check: bool = False):
         if check and name in TIMING_ONLY:
             continue
         try:
-            cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], q_format=MODES[mode][1], **ov)
+            cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], q_format=MODES[mode][1],
+                                       **{**schedule.WS_CONSUMER, **ov})
         except ValueError:  # e.g. three stages for a decoded format
             continue
         if cfg.shared_bytes <= 227 * 1024:
