@@ -730,6 +730,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s),
                                     (lambda j: mx_column(k, slot, 2, j)) if cfg.mx_mma else None)
         steps.rescale_output(softmax_ctx, k)
+        if cfg.mx_mma:
+            # P's buffer is free (every warp waited for the last P V before the tile's max exchange): an explicit
+            # barrier, so that TileLang's planner, which placed one here in some runs and not in others, has nothing
+            # left to order (the generated code must not vary: tools/golden.py).
+            T.sync_threads(3, CONSUMER_THREADS)
         store_p(k)
         # O^T += V^T P^T.
         if fp8_mma:
