@@ -329,7 +329,7 @@ def test_mx_mma_decodes_mxfp4_to_e4m3_for_fp8_wgmma(mx_mma_source):
     assert "cp_async" not in producers and "mla_ld_global_16" in producers and "mla_ld_global_u8" in producers
     assert producers.count("mla_mx_block_to_e4m3(") == 2 * cfg.num_stages * MX_BLOCKS
     assert producers.count("mla_mx_token_exp(") == producers.count("mla_mx_store_columns(") == 2 * cfg.num_stages
-    assert producers.count("mla_transpose_v_fp8(") == cfg.num_stages and "mla_opaque(" in producers
+    assert producers.count("mla_transpose_v_fp8(") == cfg.num_stages
     fp8_wgmma = "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 16, 32,"
     assert fp8_wgmma in consumer and "kBFloat16" not in consumer and "wgmma" not in producers
     assert consumer.count(fp8_wgmma) == cfg.num_stages * 5, "two score groups of two wgmma loops, one P V, per stage"
@@ -390,7 +390,9 @@ def test_fp8_mma_refuses_the_decoders_options(field):
 
 def transposer_accesses():
     """A model of ``dequant.TRANSPOSE_CUDA_SOURCE``'s index arithmetic, instruction by instruction: for each warp,
-    iteration and load / store slot, the 32 lanes' (token, dim) and shared byte offsets (source: the ring stage's
+    iteration and load / store slot, the 32 lanes' (token, dim) and shared byte offsets, as the device function
+    computes them (a per-lane base plus an immediate for the loads, a per-lane base XOR / plus a part of the block
+    group for the stores), each checked against the swizzle formula it stands for (source: the ring stage's
     128-byte swizzle; destination: the V^T stage's 64-byte swizzle)."""
     loads, stores = [], []
     for warp in range(4):
@@ -402,8 +404,12 @@ def transposer_accesses():
                     g = ((lane >> 4) & 1) << 1
                     dq, jq = 8 * (b & 15) + (lane & 7), 4 * (b >> 4) + (lane >> 3)
                     j = 4 * jq + (i ^ g)
-                    lane_loads.append(((j, 4 * dq), (dq >> 5) * 8192 + j * 128 + ((((dq >> 2) & 7) ^ (j & 7)) << 4)
-                                       + (dq & 3) * 4))
+                    formula = (dq >> 5) * 8192 + j * 128 + ((((dq >> 2) & 7) ^ (j & 7)) << 4) + (dq & 3) * 4
+                    cq = (2 * warp + ((lane & 7) >> 2)) & 7
+                    jj = 4 * (lane >> 3) + (i ^ g)
+                    device = jj * 128 + ((cq ^ (jj & 7)) << 4) + (lane & 3) * 4 + (it & 3) * 8192 + (it >> 2) * 2048
+                    assert device == formula, (warp, it, i, lane)
+                    lane_loads.append(((j, 4 * dq), device))
                 loads.append(lane_loads)
             for k in range(4):
                 lane_stores = []
@@ -411,7 +417,12 @@ def transposer_accesses():
                     f = (lane >> 1) & 3
                     dq, jq = 8 * (b & 15) + (lane & 7), 4 * (b >> 4) + (lane >> 3)
                     d = 4 * dq + (k ^ f)
-                    lane_stores.append(((4 * jq, d), d * 64 + ((((jq >> 2) & 3) ^ ((d >> 1) & 3)) << 4) + (jq & 3) * 4))
+                    formula = d * 64 + ((((jq >> 2) & 3) ^ ((d >> 1) & 3)) << 4) + (jq & 3) * 4
+                    dl = 32 * warp + 4 * (lane & 7) + (k ^ f)
+                    base = dl * 64 + (((dl >> 1) & 3) << 4) + ((lane >> 3) & 3) * 4
+                    device = (base ^ (((it >> 2) & 3) << 4)) + (it & 3) * 8192
+                    assert device == formula, (warp, it, k, lane)
+                    lane_stores.append(((4 * jq, d), device))
                 stores.append(lane_stores)
     return loads, stores
 

@@ -161,40 +161,56 @@ __device__ __forceinline__ void mla_prefetch_l2(const void* src, unsigned nbytes
 # group b = 4 it + w (it = 0..15, loads issued 8 blocks at a time); it loads its rows in the order i ^ g and stores
 # its dims in the order k ^ f (g, f from the lane bits), which makes every load and store of a warp hit 32 distinct
 # banks (tests/test_ws_structure.py models the mapping). The byte permutes take the orders as run-time selectors, so
-# no register is picked by a lane's value.
+# no register is picked by a lane's value. Every address is a per-lane part, computed once per call, plus (loads)
+# or XOR-and-plus (stores) a part of the block group alone: an access costs at most one instruction besides itself
+# (run 49: per-access swizzle arithmetic made the transposer ~1460 instructions per thread and tile, the ring's
+# bound; now ~450). The XOR needs the V^T stage's address bits 4-5 clear (a 64-byte-swizzled operand's base is
+# 512-byte aligned).
 TRANSPOSE_CUDA_SOURCE = r"""
 __device__ __forceinline__ void mla_transpose_v_fp8(unsigned src, unsigned dst, int p) {
   const int lane = p & 31, warp = p >> 5;
   const int g = ((lane >> 4) & 1) << 1;  // row order of the loads: i ^ g
   const int f = (lane >> 1) & 3;         // dim order of the stores: k ^ f
   const unsigned sel_out = g ? 0x1054u : 0x5410u;
+  // Block group it = 0..15 (b = 4 it + warp) holds dims dq = 32 (it % 4) + 8 warp + lane % 8 and token quads
+  // jq = 4 (it / 4) + lane / 8: every address is a per-lane part (below, once per call) plus a part of it alone.
+  // Loads: + 8192 (it % 4) (the panel) + 2048 (it / 4) (16 rows), an immediate. Stores: + 8192 (it % 4) (128 V^T
+  // rows), and (it / 4) << 4 XORed into the 64-byte swizzle's chunk bits (bits 4-5, zero in the rest).
+  const int cq = (2 * warp + ((lane & 7) >> 2)) & 7;  // the lane's 16-byte chunk of a 128-byte row, unswizzled
+  unsigned ld[4], st[4], sel_in[4];
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int jj = 4 * (lane >> 3) + (i ^ g);  // row within the block group's 16
+    ld[i] = src + jj * 128 + ((cq ^ (jj & 7)) << 4) + (lane & 3) * 4;
+  }
+  #pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int m = k ^ f;  // this store's dim 4 dq + m: byte m of every row word
+    const int dl = 32 * warp + 4 * (lane & 7) + m;  // V^T row within the block group's 128
+    st[k] = dst + dl * 64 + (((dl >> 1) & 3) << 4) + ((lane >> 3) & 3) * 4;
+    sel_in[k] = (unsigned)(m | ((m + 4) << 4));
+  }
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
     // 8 blocks' loads issued before the first permute: one shared-memory round trip per 8 blocks
     unsigned r[8][4];
     #pragma unroll
     for (int h = 0; h < 8; ++h) {
-      const int b = (half * 8 + h) * 4 + warp;
-      const int dq = 8 * (b & 15) + (lane & 7), jq = 4 * (b >> 4) + (lane >> 3);
+      const int it = half * 8 + h;
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int j = 4 * jq + (i ^ g);
-        const unsigned a = src + (dq >> 5) * 8192 + j * 128 + ((((dq >> 2) & 7) ^ (j & 7)) << 4) + (dq & 3) * 4;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r[h][i]) : "r"(a) : "memory");
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r[h][i]) : "r"(ld[i] + (it & 3) * 8192 + (it >> 2) * 2048)
+                     : "memory");
       }
     }
     #pragma unroll
     for (int h = 0; h < 8; ++h) {
-      const int b = (half * 8 + h) * 4 + warp;
-      const int dq = 8 * (b & 15) + (lane & 7), jq = 4 * (b >> 4) + (lane >> 3);
+      const int it = half * 8 + h;
       #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int m = k ^ f;  // this store's dim 4 dq + m: byte m of every row word
-        const unsigned sel_in = (unsigned)(m | ((m + 4) << 4));
-        const unsigned x = __byte_perm(r[h][0], r[h][1], sel_in), y = __byte_perm(r[h][2], r[h][3], sel_in);
+        const unsigned x = __byte_perm(r[h][0], r[h][1], sel_in[k]), y = __byte_perm(r[h][2], r[h][3], sel_in[k]);
         const unsigned w = __byte_perm(x, y, sel_out);  // tokens 4 jq .. 4 jq + 3 in order
-        const int d = 4 * dq + m;
-        const unsigned a = dst + d * 64 + ((((jq >> 2) & 3) ^ ((d >> 1) & 3)) << 4) + (jq & 3) * 4;
+        const unsigned a = (st[k] ^ (unsigned)(((it >> 2) & 3) << 4)) + (it & 3) * 8192;
         asm volatile("st.shared.b32 [%0], %1;" :: "r"(a), "r"(w) : "memory");
       }
     }
@@ -279,12 +295,9 @@ def store_swizzled_32(addr, src):
     return T.call_extern("handle", "mla_st_shared_swz32", addr, T.access_ptr(src, "r"))
 
 
-def transpose_v_fp8(src_addr, dst_addr, p, opaque=False):
+def transpose_v_fp8(src_addr, dst_addr, p):
     """Thread ``p`` (0..127) of the transposing warp group's share of one tile's fp8 V^T: from the ring stage at
-    shared address ``src_addr`` to the V^T stage at ``dst_addr`` (``TRANSPOSE_CUDA_SOURCE``); ``opaque``: p through
-    ``mla_opaque`` (``MX_E4M3_CUDA_SOURCE``)."""
-    if opaque:
-        p = T.call_extern("int32", "mla_opaque", p)
+    shared address ``src_addr`` to the V^T stage at ``dst_addr`` (``TRANSPOSE_CUDA_SOURCE``)."""
     return T.call_extern("handle", "mla_transpose_v_fp8", src_addr, dst_addr, p)
 
 
@@ -336,13 +349,6 @@ def mx_table_words() -> tuple[int, ...]:
 
 
 MX_E4M3_CUDA_SOURCE = r"""
-// p as a value the compiler cannot see through: the transposer's lane-dependent addresses are then computed per
-// tile, not hoisted out of the tile loop (in the mxfp4 kernel ptxas kept them all live and spilled them).
-__device__ __forceinline__ int mla_opaque(int p) {
-  int q;
-  asm volatile("mov.b32 %0, %1;" : "=r"(q) : "r"(p));
-  return q;
-}
 // 4 e2m1 codes (the nibbles of w's low half-word, code k in nibble k) -> 4 e4m3fn codes (byte k), from the 8-byte
 // table t of the magnitudes' codes: one permute picks the magnitudes (selector nibbles = the codes' 3 low bits);
 // a second, with the codes as they are, gives 0x80 where the code is positive and 0xFF (sign replicated) where it

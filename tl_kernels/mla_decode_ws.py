@@ -416,7 +416,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     # ever completes two phases ahead of its waiter (a parity wait would then hang).
                     T.barrier_wait(k.vt_free[s], ring_parity(k, q_pass, rnd) ^ 1)
                     if tile < k.num_tiles:
-                        T.evaluate(dequant.transpose_v_fp8(k.vt_addr[2 * s], k.vt_addr[2 * s + 1], p, opaque=cfg.mx_mma))
+                        T.evaluate(dequant.transpose_v_fp8(k.vt_addr[2 * s], k.vt_addr[2 * s + 1], p))
                         T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
                     T.barrier_arrive(k.vt_ready[s])
                     T.barrier_arrive(k.free[s])
