@@ -269,3 +269,20 @@ def test_mxfp4_table_words_are_e4m3_of_the_magnitudes():
     for t in range(1, dequant.MX_TABLES):
         np.testing.assert_array_equal(values[t], mags * 2.0 ** (t - 9))
     assert (values[0] == 0).all()
+
+
+def test_p_as_two_e4m3_terms_holds_it_to_2_pow_minus_8():
+    """``p_split`` (tl_kernels/mla_decode_ws.py, ``p_terms``): x = 256 P, hi = e4m3(x), lo = e4m3(x - hi). For every
+    probability down to 2^-20 the pair is within 2^-8 of x (relative) or 2^-9 absolute (e4m3's smallest step, far
+    below any probability that counts); one term alone is off by up to 2^-4 (run 48-49's gate failures)."""
+    from tl_kernels.mla_decode_ws import P_FP8_SCALE
+
+    p = torch.cat([torch.rand(100000, generator=torch.Generator().manual_seed(8)).double(),
+                   torch.logspace(-20, 0, 5001, base=2.0, dtype=torch.float64)])
+    x = p * P_FP8_SCALE
+    e4m3 = lambda t: t.float().to(torch.float8_e4m3fn).double()  # noqa: E731
+    hi = e4m3(x)
+    lo = e4m3(x - hi)
+    err = (hi + lo - x).abs()
+    assert (err <= torch.maximum(2.0**-8 * x, torch.full_like(x, 2.0**-9))).all()
+    assert ((hi - x).abs() / x).max() > 2.0**-5  # one term: e4m3's own rounding

@@ -310,10 +310,11 @@ def test_fp8_mma_reads_an_fp8_cache_or_mxfp4_with_bf16_q(kv_format, q_format):
 # ---- mxfp4 on fp8 wgmma (``fp8_mma`` with an mxfp4 cache, issue 28 step 4) -------------------------------------
 
 
-@pytest.fixture(scope="module", params=[(False, 0), (True, 64)], ids=["flat", "causal-page64"])
+@pytest.fixture(scope="module", params=[(False, 0, False), (True, 64, False), (False, 0, True)],
+                ids=["flat", "causal-page64", "p-split"])
 def mx_mma_source(request):
-    causal, page_size = request.param
-    cfg = schedule.ws_config(H200, kv_format="mxfp4", causal=causal, page_size=page_size, **F8MMA)
+    causal, page_size, p_split = request.param
+    cfg = schedule.ws_config(H200, kv_format="mxfp4", causal=causal, page_size=page_size, p_split=p_split, **F8MMA)
     artifact = jit.lower(cfg, H200)
     return cfg, artifact.kernel_source, jit.lowered_lds_bytes(artifact)
 
@@ -332,7 +333,8 @@ def test_mx_mma_decodes_mxfp4_to_e4m3_for_fp8_wgmma(mx_mma_source):
     assert producers.count("mla_transpose_v_fp8(") == cfg.num_stages
     fp8_wgmma = "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 16, 32,"
     assert fp8_wgmma in consumer and "kBFloat16" not in consumer and "wgmma" not in producers
-    assert consumer.count(fp8_wgmma) == cfg.num_stages * 5, "two score groups of two wgmma loops, one P V, per stage"
+    assert consumer.count(fp8_wgmma) == cfg.num_stages * (6 if cfg.p_split else 5), (
+        "two score groups of two wgmma loops, one P V (two with p_split), per stage")
     assert "initialize_wgmma_descriptor<1, 1, 64>(desc_a" in consumer, "latent codes not 128-byte swizzled"
     assert consumer.count("initialize_wgmma_descriptor<2, 1, 32>(desc_a") >= 2 * cfg.num_stages
     assert "__syncthreads" not in producers, "a CTA-wide barrier in the producers' loop"
@@ -380,6 +382,12 @@ def test_mx_decoder_writes_every_chunk_once_at_full_store_width():
     for lanes in accesses:
         slots = [offset % 128 // 16 for _, offset in lanes]
         assert max(slots.count(x) for x in range(8)) == 4, slots
+
+
+def test_p_split_is_fp8_mmas():
+    with pytest.raises(ValueError, match="p_split is fp8_mma's"):
+        WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", p_split=True)
+    assert WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", fp8_mma=True, p_split=True).name.endswith("_ps")
 
 
 @pytest.mark.parametrize("field", ["overlap", "direct_stores", "ordered_decode", "idle_producers"])

@@ -100,7 +100,10 @@ def golden_variants(target: str, only: str = "all") -> list:
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", **f8mma),  # bf16 Q as two e4m3 terms
         # mxfp4 on fp8 wgmma (step 4): e4m3 codes under per-token exponents, flat and causal over pages of 64.
         schedule.ws_config(spec, kv_format="mxfp4", **f8mma),
-        schedule.ws_config(spec, kv_format="mxfp4", causal=True, page_size=64, **f8mma))
+        schedule.ws_config(spec, kv_format="mxfp4", causal=True, page_size=64, **f8mma),
+        # P as two e4m3 terms
+        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", p_split=True, **f8mma),
+        schedule.ws_config(spec, kv_format="mxfp4", p_split=True, **f8mma))
     for kv_format in ("fp8", "mxfp4"):
         for mode in ("bench", "check"):
             add(("stream", schedule.ws_config(spec, kv_format=kv_format), mode))
