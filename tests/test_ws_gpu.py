@@ -110,7 +110,7 @@ def test_paged_ring(mode, page_size):
 # protocol hung on the GPU (docs/perf.md run 47: a barrier completing two phases ahead of its waiter). So every case
 # runs in a child process under a watchdog: a hang fails the test instead of stalling the suite.
 F8MMA_WATCHDOG_S = 240
-F8MMA = {"ws": True, "fp8_mma": True}
+F8MMA = {"ws": True, "fp8_mma": True, "p_split": True}  # P as two e4m3 terms: one misses the gate (runs 48-49)
 _F8MMA_CASES = r"""
 import json, math, sys, traceback
 import torch
