@@ -110,3 +110,88 @@ def test_the_model_finds_the_hang_of_run_47():
     """The check can fail: run 47's protocol hangs once a split ends on an odd tile count."""
     assert find_hang(fp8_mma_ring_run47, 3, 1) is not None
     assert find_hang(fp8_mma_ring_run47, 2, 1) is None  # an even count has no tile-less round
+
+
+# ---- ``mx_mma``: the mxfp4 decoder's per-token column values (``mx_cols``) ----------------------------------------
+# The decoder takes the copier's place in ``fp8_mma_ring`` (same waits and arrivals) and, for a real tile, writes the
+# tile's column values into slot s + STAGES * parity after its "free" wait; the MMA warp group reads them in
+# ``mask_scores`` and the softmax, i.e. after it has released the stage ("free") and before its V^T wait. The check:
+# no write lands in a slot while its previous tile is still being read, and every read sees its own tile's write.
+
+
+def mx_ring(num_tiles, passes, slots=2 * STAGES):
+    """``fp8_mma_ring`` with the column slots' writes and reads (``slots``: how many; the kernel has 2 x stages)."""
+    counts, (copier, transposer, consumer) = fp8_mma_ring(num_tiles, passes)
+    decoder, reader = [], []
+    for tile_seq, (s, p, real) in enumerate(schedule(num_tiles, passes)):
+        slot = (s + STAGES * p) % slots
+        decoder += [("wait", "free", s, p ^ 1)] + ([("write", slot, tile_seq)] if real else []) + [("arrive", "ready", s)]
+        reader += [("wait", "ready", s, p), ("arrive", "free", s)] + (
+            [("read", slot, tile_seq)] if real else []) + [("wait", "vt_ready", s, p)] + (
+            [("done", slot, tile_seq)] if real else []) + [("arrive", "vt_free", s)]
+    return counts, [decoder, transposer, reader]
+
+
+def find_column_race(num_tiles, passes, slots=2 * STAGES):
+    """Every interleaving of ``mx_ring``; returns the first violation (a write into a slot being read, a read that
+    does not see its tile's write, or a state where some role can never move again), or None."""
+    counts, programs = mx_ring(num_tiles, passes, slots)
+    names = sorted(counts)
+    start = (tuple(0 for _ in programs), tuple((0, 0) for _ in names for _ in range(STAGES)),
+             tuple((-1, False) for _ in range(slots)))
+    seen, stack = {start}, [start]
+    while stack:
+        pcs, bars, cols = stack.pop()
+        moved = False
+        for role, program in enumerate(programs):
+            if pcs[role] == len(program):
+                continue
+            op, *args = program[pcs[role]]
+            new_bars, new_cols = bars, cols
+            if op in ("wait", "arrive"):
+                name, s, *rest = args
+                bar = names.index(name) * STAGES + s
+                phase, pending = bars[bar]
+                if op == "wait":
+                    if phase & 1 == rest[0]:
+                        continue
+                else:
+                    pending += 1
+                    new_bars = list(bars)
+                    new_bars[bar] = (phase + 1, 0) if pending == counts[name] else (phase, pending)
+                    new_bars = tuple(new_bars)
+            else:
+                slot, tile = args
+                written, reading = cols[slot]
+                new_cols = list(cols)
+                if op == "write":
+                    if reading:
+                        return f"tile {tile} written into slot {slot} while tile {written} is read"
+                    new_cols[slot] = (tile, False)
+                elif op == "read":
+                    if written != tile:
+                        return f"tile {tile} read slot {slot} holding tile {written}"
+                    new_cols[slot] = (written, True)
+                else:
+                    new_cols[slot] = (written, False)
+                new_cols = tuple(new_cols)
+            state = (pcs[:role] + (pcs[role] + 1,) + pcs[role + 1:], new_bars, new_cols)
+            moved = True
+            if state not in seen:
+                seen.add(state)
+                stack.append(state)
+        if not moved and any(pc < len(p) for pc, p in zip(pcs, programs)):
+            return f"hang at {pcs}"
+    return None
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 6])
+def test_mx_column_slots_are_never_overwritten_while_read(num_tiles, passes):
+    assert find_column_race(num_tiles, passes) is None
+
+
+def test_mx_column_slots_race_with_one_slot_per_stage():
+    """The check can fail: with one slot per stage the decoder may write tile t + 2 while tile t is still read
+    (the stage is released before the MMA warp group reads the values)."""
+    assert find_column_race(4, 1, slots=STAGES) is not None
