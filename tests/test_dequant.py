@@ -15,13 +15,17 @@ from tl_kernels import dequant
 
 
 def prmt(a, b, sel):
-    """PTX prmt.b32 (default mode): byte k of the result is byte (sel >> 4k) & 7 of the 8 bytes (a, b)."""
-    src = (np.uint64(b) << np.uint64(32)) | a.astype(np.uint64)
-    out = np.zeros_like(a)
+    """PTX prmt.b32 (default mode): byte k of the result is byte (sel >> 4k) & 7 of the 8 bytes (a, b), or, where
+    that selector nibble's bit 3 is set, the chosen byte's top bit replicated over the byte."""
+    a = np.asarray(a, dtype=np.uint32)
+    src = (np.asarray(b, dtype=np.uint64) << np.uint64(32)) | a.astype(np.uint64)
+    sel = np.asarray(sel, dtype=np.uint32)
+    out = np.zeros(np.broadcast(a, sel).shape, dtype=np.uint32)
     for k in range(4):
-        pick = (sel >> (4 * k)) & 7
-        byte = (src >> np.uint64(8 * pick)) & np.uint64(0xFF)
-        out |= (byte.astype(np.uint32) << np.uint32(8 * k))
+        nib = (sel >> np.uint32(4 * k)) & np.uint32(0xF)
+        byte = ((src >> (np.uint64(8) * (nib & np.uint32(7)).astype(np.uint64))) & np.uint64(0xFF)).astype(np.uint32)
+        byte = np.where(nib & np.uint32(8), np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0)), byte)
+        out |= byte << np.uint32(8 * k)
     return out
 
 
@@ -161,19 +165,6 @@ def test_bf16_q_as_two_e4m3_terms_holds_it_to_2_pow_minus_8():
 # ---- mxfp4 on the fp8 wgmma (dequant.MX_E4M3_CUDA_SOURCE; fp8_mma with an mxfp4 cache) ----------------------------
 
 
-def prmt_signed(a, b, sel):
-    """PTX prmt.b32 (default mode) with its selector's sign bit: a selector nibble with bit 3 set gives the chosen
-    byte's top bit replicated over the byte."""
-    src = (np.uint64(b) << np.uint64(32)) | a.astype(np.uint64)
-    out = np.zeros_like(a)
-    for k in range(4):
-        nib = (sel >> np.uint32(4 * k)) & np.uint32(0xF)
-        byte = ((src >> (np.uint64(8) * (nib & np.uint32(7)).astype(np.uint64))) & np.uint64(0xFF)).astype(np.uint32)
-        byte = np.where(nib & np.uint32(8), np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0)), byte)
-        out |= byte << np.uint32(8 * k)
-    return out
-
-
 def mx_source_constants(fn: str) -> list[int]:
     body = dequant.MX_E4M3_CUDA_SOURCE[dequant.MX_E4M3_CUDA_SOURCE.index(fn):]
     body = body[: body.index("\n}\n")]
@@ -183,8 +174,8 @@ def mx_source_constants(fn: str) -> list[int]:
 def model_e2m1x4_to_e4m3(w, t_lo, t_hi):
     """mla_e2m1x4_to_e4m3 on uint32 arrays (codes: the nibbles of w's low half-word)."""
     mag_sel, sgn_table, _, sign = mx_source_constants("mla_e2m1x4_to_e4m3")[:4]
-    mag = prmt_signed(t_lo, t_hi, w & np.uint32(mag_sel))
-    sgn = prmt_signed(np.full_like(w, sgn_table), np.full_like(w, sgn_table), w & np.uint32(0xFFFF))
+    mag = prmt(t_lo, t_hi, w & np.uint32(mag_sel))
+    sgn = prmt(np.full_like(w, sgn_table), np.full_like(w, sgn_table), w & np.uint32(0xFFFF))
     return mag | ((sgn << np.uint32(1)) & np.uint32(sign))
 
 

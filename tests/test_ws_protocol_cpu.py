@@ -64,39 +64,63 @@ def fp8_mma_ring_run47(num_tiles, passes):
     return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
 
 
-def find_hang(model, num_tiles, passes):
-    """Depth-first search over every interleaving; returns a state where some role can never move again (its
-    program counters), or None."""
-    counts, programs = model(num_tiles, passes)
+def explore(counts, programs, slots=0):
+    """Depth-first search over every interleaving of ``programs`` (barrier waits and arrivals; with ``slots``, also
+    the column slots' "write" / "read" / "done" events of ``mx_ring``). Returns None, or what went wrong: a state
+    where some role can never move again (a hang), a write into a slot still being read, or a read that does not
+    see its own tile's write."""
     names = sorted(counts)
-    start = (tuple(0 for _ in programs), tuple((0, 0) for _ in names for _ in range(STAGES)))
+    start = (tuple(0 for _ in programs), tuple((0, 0) for _ in names for _ in range(STAGES)),
+             tuple((-1, False) for _ in range(slots)))  # per slot: (tile last written, being read)
     seen, stack = {start}, [start]
     while stack:
-        pcs, bars = stack.pop()
+        pcs, bars, cols = stack.pop()
         moved = False
         for role, program in enumerate(programs):
             if pcs[role] == len(program):
                 continue
-            op, name, s, *rest = program[pcs[role]]
-            slot = names.index(name) * STAGES + s
-            phase, pending = bars[slot]
-            if op == "wait":
-                if phase & 1 == rest[0]:  # the phase of that parity has not completed (or aliased back)
-                    continue
-                new_bars = bars
+            op, *args = program[pcs[role]]
+            new_bars, new_cols = bars, cols
+            if op in ("wait", "arrive"):
+                name, s, *rest = args
+                bar = names.index(name) * STAGES + s
+                phase, pending = bars[bar]
+                if op == "wait":
+                    if phase & 1 == rest[0]:  # the phase of that parity has not completed (or aliased back)
+                        continue
+                else:
+                    pending += 1
+                    new_bars = list(bars)
+                    new_bars[bar] = (phase + 1, 0) if pending == counts[name] else (phase, pending)
+                    new_bars = tuple(new_bars)
             else:
-                pending += 1
-                new_bars = list(bars)
-                new_bars[slot] = (phase + 1, 0) if pending == counts[name] else (phase, pending)
-                new_bars = tuple(new_bars)
-            new_pcs = pcs[:role] + (pcs[role] + 1,) + pcs[role + 1:]
+                slot, tile = args
+                written, reading = cols[slot]
+                new_cols = list(cols)
+                if op == "write":
+                    if reading:
+                        return f"tile {tile} written into slot {slot} while tile {written} is read"
+                    new_cols[slot] = (tile, False)
+                elif op == "read":
+                    if written != tile:
+                        return f"tile {tile} read slot {slot} holding tile {written}"
+                    new_cols[slot] = (written, True)
+                else:
+                    new_cols[slot] = (written, False)
+                new_cols = tuple(new_cols)
+            state = (pcs[:role] + (pcs[role] + 1,) + pcs[role + 1:], new_bars, new_cols)
             moved = True
-            if (new_pcs, new_bars) not in seen:
-                seen.add((new_pcs, new_bars))
-                stack.append((new_pcs, new_bars))
+            if state not in seen:
+                seen.add(state)
+                stack.append(state)
         if not moved and any(pc < len(p) for pc, p in zip(pcs, programs)):
-            return pcs
+            return f"hang with the roles at {pcs}"
     return None
+
+
+def find_hang(model, num_tiles, passes):
+    """``explore`` of a barrier-only model: None, or the hang it finds."""
+    return explore(*model(num_tiles, passes))
 
 
 @pytest.mark.parametrize("passes", [1, 2, 3])
@@ -133,56 +157,8 @@ def mx_ring(num_tiles, passes, slots=2 * STAGES):
 
 
 def find_column_race(num_tiles, passes, slots=2 * STAGES):
-    """Every interleaving of ``mx_ring``; returns the first violation (a write into a slot being read, a read that
-    does not see its tile's write, or a state where some role can never move again), or None."""
-    counts, programs = mx_ring(num_tiles, passes, slots)
-    names = sorted(counts)
-    start = (tuple(0 for _ in programs), tuple((0, 0) for _ in names for _ in range(STAGES)),
-             tuple((-1, False) for _ in range(slots)))
-    seen, stack = {start}, [start]
-    while stack:
-        pcs, bars, cols = stack.pop()
-        moved = False
-        for role, program in enumerate(programs):
-            if pcs[role] == len(program):
-                continue
-            op, *args = program[pcs[role]]
-            new_bars, new_cols = bars, cols
-            if op in ("wait", "arrive"):
-                name, s, *rest = args
-                bar = names.index(name) * STAGES + s
-                phase, pending = bars[bar]
-                if op == "wait":
-                    if phase & 1 == rest[0]:
-                        continue
-                else:
-                    pending += 1
-                    new_bars = list(bars)
-                    new_bars[bar] = (phase + 1, 0) if pending == counts[name] else (phase, pending)
-                    new_bars = tuple(new_bars)
-            else:
-                slot, tile = args
-                written, reading = cols[slot]
-                new_cols = list(cols)
-                if op == "write":
-                    if reading:
-                        return f"tile {tile} written into slot {slot} while tile {written} is read"
-                    new_cols[slot] = (tile, False)
-                elif op == "read":
-                    if written != tile:
-                        return f"tile {tile} read slot {slot} holding tile {written}"
-                    new_cols[slot] = (written, True)
-                else:
-                    new_cols[slot] = (written, False)
-                new_cols = tuple(new_cols)
-            state = (pcs[:role] + (pcs[role] + 1,) + pcs[role + 1:], new_bars, new_cols)
-            moved = True
-            if state not in seen:
-                seen.add(state)
-                stack.append(state)
-        if not moved and any(pc < len(p) for pc, p in zip(pcs, programs)):
-            return f"hang at {pcs}"
-    return None
+    """``explore`` of ``mx_ring``: None, or the race (or hang) it finds."""
+    return explore(*mx_ring(num_tiles, passes, slots), slots=slots)
 
 
 @pytest.mark.parametrize("passes", [1, 2])

@@ -12,8 +12,9 @@ ring is a plain serial loop over barrier parities, not ``T.Pipelined``):
           tiles ahead: a chunk's load for tile t + 2 is issued as soon as its registers are decoded for tile t),
           decode them by bit placement (``tl_kernels.dequant``: no conversion instruction) and store
           bf16 into the stage, then fence the async proxy and arrive on "ready" (``decode_tiles``).
-    a8w8 with ``fp8_mma``: one warp group copies the fp8 codes with cp.async as bf16 is copied, the other writes
-          each tile's V^T into a second ring (``transpose_tiles``): both GEMMs then run on fp8 wgmma.
+    ``fp8_mma`` (fp8 cache): one warp group copies the fp8 codes with cp.async as bf16 is copied, the other writes
+          each tile's V^T into a second ring (``transpose_tiles``): both GEMMs then run on fp8 wgmma. With an mxfp4
+          cache (``mx_mma``) a decoder warp group writes e4m3 codes in the copier's place (``decode_mx_tiles``).
   consumer (one warp group, most registers; ``consume_tiles``)
     1. Q rows of the current query pass, once, into shared memory (a8w8: rounded to fp8 values here);
     2. per tile: S^T = K Q^T on wgmma with the 64 KV rows as M (16 query rows need no padding to 64);
@@ -186,7 +187,8 @@ class WSDecodeKernelConfig:
 
     @property
     def producer_groups(self) -> int:
-        """bf16: one copier; fp8 / mxfp4: two decoder warp groups; ``fp8_mma``: a copier and a V^T transposer."""
+        """bf16: one copier; fp8 / mxfp4: two decoder warp groups; ``fp8_mma``: a copier (``mx_mma``: the e4m3
+        decoder) and a V^T transposer."""
         return 1 if self.kv_format == "bf16" else DECODER_GROUPS
 
     @property
@@ -431,6 +433,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     # ---- ``mx_mma``: the mxfp4 decoder (producer group 0; the transposer above is group 1)
 
+    def column_slot(s, parity):
+        """``mx_mma``: the slot of ``mx_cols`` holding the column values of the tile in stage ``s`` of a round of
+        parity ``parity`` (written by the decoder, read by the MMA warp group after it has released the stage)."""
+        return s + stages * parity
+
     def mx_place(k, b):
         """(code column, scale column) of the decoder thread's block b: latent blocks 8 h + b (b < 8), rope block
         16 + h (b == 8)."""
@@ -467,7 +474,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.mx_exp[0] = dequant.mx_token_exp(k.mx_raw[s * MX_WORDS], k.mx_scale[s * MX_BLOCKS])
         if k.mx_h == 0:
             T.evaluate(dequant.mx_store_columns(
-                k.mx_addr[2 * stages + 1] + (s + stages * parity) * MX_COLUMN_BYTES + k.mx_token * 4, k.mx_exp[0]))
+                k.mx_addr[2 * stages + 1] + column_slot(s, parity) * MX_COLUMN_BYTES + k.mx_token * 4, k.mx_exp[0]))
         if next_lo is not None:
             k.mx_row[s] = cache_row(k, tile_pos(k, next_lo, k.mx_token))
         for b in list(range(MX_BLOCKS)):
@@ -668,27 +675,24 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         2^(E - 133), 1: the softmax offset E - 133, 2: the denominator weight 2^(133 - E))."""
         return k.mx_cols[slot * (MX_COLUMN_BYTES // 4) + array * block_n + j]
 
+    def scaled_score(k, j, r, score_scale, slot):
+        """Score (token j, row r) of the finished S^T times the score scale. ``q_split``: the two terms' scores summed
+        and the row's Q scale undone first. ``mx_mma`` (column slot ``slot``): then times the token's factor
+        2^(E - 133), plus E - 133 (its values' factor, carried into P: P' = P 2^(E - 133); the denominator is
+        weighted back by 2^(133 - E), ``softmax_probabilities``' ``weight``)."""
+        if not cfg.q_split:
+            return k.acc_s[j, r] * score_scale
+        score = (k.acc_s[j, r] + k.acc_s_lo[j, r] * (1.0 / Q_SPLIT_LO)) * (score_scale * k.q_row_factor[r])
+        if cfg.mx_mma:
+            score = score * mx_column(k, slot, 0, j) + mx_column(k, slot, 1, j)
+        return score
+
     @T.macro
     def mask_scores(k, tile_lo, horizon, score_scale, slot=None):
-        """The finished scores times the score scale; -inf past the horizon (split end, causal). ``q_split``: the
-        two terms' scores summed and the row's Q scale undone first. ``mx_mma`` (column slot ``slot``): each token's
-        score times its factor 2^(E - 133), plus E - 133 (its values' factor, carried into P: P' = P 2^(E - 133),
-        the denominator weighted back by 2^(133 - E), ``mx_weight``)."""
+        """The finished scores, scaled (``scaled_score``); -inf past the horizon (split end, causal)."""
         for j, r in T.Parallel(block_n, block_m):
-            if cfg.mx_mma:
-                k.acc_s[j, r] = T.if_then_else(
-                    tile_lo + j < horizon,
-                    (k.acc_s[j, r] + k.acc_s_lo[j, r] * (1.0 / Q_SPLIT_LO)) * (score_scale * k.q_row_factor[r])
-                    * mx_column(k, slot, 0, j) + mx_column(k, slot, 1, j),
-                    -T.infinity(f32))
-            elif cfg.q_split:
-                k.acc_s[j, r] = T.if_then_else(
-                    tile_lo + j < horizon,
-                    (k.acc_s[j, r] + k.acc_s_lo[j, r] * (1.0 / Q_SPLIT_LO)) * (score_scale * k.q_row_factor[r]),
-                    -T.infinity(f32))
-            else:
-                k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, k.acc_s[j, r] * score_scale,
-                                               -T.infinity(f32))
+            k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, scaled_score(k, j, r, score_scale, slot),
+                                           -T.infinity(f32))
 
     def p_terms(p):
         """``p_split``: P (at most 1) times P_FP8_SCALE as two e4m3 terms, hi = e4m3(x), lo = e4m3(x - hi)."""
@@ -740,7 +744,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 T.gemm(k.Ring_rope[s], k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
         if fp8_mma:
             T.barrier_arrive(k.free[s])  # the codes are read (P V reads V^T): the copier may refill the stage
-        slot = s + stages * parity if cfg.mx_mma else None  # the tile's column values (mx_mma)
+        slot = column_slot(s, parity) if cfg.mx_mma else None  # the tile's column values (mx_mma)
         mask_scores(k, tile_lo, horizon, score_scale, slot)
         # Online softmax in base 2 (S^T and O^T: the KV tile is the wgmma M dimension).
         steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s),

@@ -72,9 +72,8 @@ def variants_for(mode: str, names: str = DEFAULT_VARIANTS, check: bool = False):
         ov = VARIANTS[name]
         if check and name in TIMING_ONLY:
             continue
-        try:
-            cfg = WSDecodeKernelConfig(kv_format=MODES[mode][0], q_format=MODES[mode][1],
-                                       **{**schedule.WS_CONSUMER, **ov})
+        try:  # the config that is built and timed (the schedule's, with the variant's overrides)
+            cfg = ws_config(spec_for_name("sm_90a"), mode, **ov)
         except ValueError:  # e.g. three stages for a decoded format
             continue
         if cfg.shared_bytes <= 227 * 1024:
