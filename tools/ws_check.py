@@ -56,6 +56,7 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "f8mmapf3": dict(fp8_mma=True, l2_prefetch=3),
     "f8mma3": dict(fp8_mma=True, num_stages=3),
     "f8mmaps": dict(fp8_mma=True, p_split=True),  # P as two e4m3 terms
+    "f8mma3ps": dict(fp8_mma=True, num_stages=3, p_split=True),
 }
 TIMING_ONLY = {"idle", "ovidle", "plainidle"}
 DEFAULT_VARIANTS = "st2,st3"
