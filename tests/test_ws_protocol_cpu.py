@@ -52,6 +52,24 @@ def fp8_mma_ring(num_tiles, passes):
     return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
 
 
+def fp8_mma_ahead_ring(num_tiles, passes):
+    """``fp8_mma`` with ``score_ahead``: the copier and transposer as in ``fp8_mma_ring``; the MMA warp group takes
+    slot 0's codes before the loop, and at slot t waits for slot t + 1's codes (the scores one ahead), then for
+    V^T(t), then releases the codes of t + 1 and V^T(t) (``attend_ahead``)."""
+    counts, (copier, transposer, _) = fp8_mma_ring(num_tiles, passes)
+    rounds = -(-num_tiles // STAGES)
+    consumer = []
+    for q_pass in range(passes):
+        slots = [(u % STAGES, parity(rounds, q_pass, u // STAGES)) for u in range(rounds * STAGES)]
+        if slots:
+            consumer += [("wait", "ready", 0, slots[0][1]), ("arrive", "free", 0)]
+        for u, (s, p) in enumerate(slots):
+            ahead = slots[u + 1] if u + 1 < len(slots) else None
+            consumer += ([("wait", "ready", *ahead)] if ahead else []) + [("wait", "vt_ready", s, p)]
+            consumer += ([("arrive", "free", ahead[0])] if ahead else []) + [("arrive", "vt_free", s)]
+    return counts, [copier, transposer, consumer]
+
+
 def fp8_mma_ring_run47(num_tiles, passes):
     """The version that hung in run 47: rounds without a tile skipped the V^T waits."""
     copier, transposer, consumer = [], [], []
@@ -125,7 +143,8 @@ def find_hang(model, num_tiles, passes):
 
 @pytest.mark.parametrize("passes", [1, 2, 3])
 @pytest.mark.parametrize("num_tiles", [0, 1, 2, 3, 4, 5])
-@pytest.mark.parametrize("model", [decoder_ring, fp8_mma_ring], ids=["decoders", "fp8_mma"])
+@pytest.mark.parametrize("model", [decoder_ring, fp8_mma_ring, fp8_mma_ahead_ring],
+                         ids=["decoders", "fp8_mma", "fp8_mma_score_ahead"])
 def test_every_interleaving_finishes(model, num_tiles, passes):
     assert find_hang(model, num_tiles, passes) is None
 

@@ -219,6 +219,22 @@ __device__ __forceinline__ void mla_transpose_v_fp8(unsigned src, unsigned dst, 
 """
 
 
+# ``score_ahead``: the transposer zeroes the V^T ring once per CTA, so that a P V over a slot without a tile (its P
+# all zero) never multiplies bytes that were never written (e4m3's NaN codes would survive 0 * NaN).
+ZERO_SHARED_CUDA_SOURCE = r"""
+__device__ __forceinline__ void mla_zero_shared(unsigned addr, int nbytes, int p, int nthreads) {
+  for (int off = 16 * p; off < nbytes; off += 16 * nthreads)
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(addr + off), "r"(0) : "memory");
+}
+"""
+
+
+def zero_shared(addr, nbytes, p, nthreads):
+    """Thread ``p`` of ``nthreads`` zeroes its 16-byte share of ``nbytes`` of shared memory at ``addr``
+    (``ZERO_SHARED_CUDA_SOURCE``)."""
+    return T.call_extern("handle", "mla_zero_shared", addr, nbytes, p, nthreads)
+
+
 def import_cuda_source(prefetch: bool = False, ordered: bool = False, extra: str = ""):
     """Adds the device functions to the kernel being built (call once inside its ``T.Kernel``: a kernel takes one
     imported source); ``prefetch`` adds ``mla_prefetch_l2`` too, ``ordered`` ``ORDERED_CUDA_SOURCE``, ``extra`` any

@@ -126,6 +126,12 @@ class WSDecodeKernelConfig:
     # accumulator (a second P V wgmma group): P to ~2^-8 instead of e4m3's 2^-4, at the cost of reading V^T twice.
     # Runs 48-49: with P as one term short sequences land just over the tests' per-sequence gate (2.1e-2 > 2e-2).
     p_split: bool = False
+    # ``fp8_mma``: the MMA warp group one score ahead (FA3's intra-warp-group pipelining): at tile t it issues the
+    # score wgmma of tile t + 1 (into that stage's own S^T fragment) before it waits for tile t's scores, so the
+    # tensor cores compute S(t + 1) during the softmax of t; P V(t) stays in flight until the next tile's wait. The
+    # loop body has no branch on the tile count (ptxas serialises every wgmma where paths merge with a group in
+    # flight): a slot without a tile is a fully masked tile (P = 0) over a V^T ring the transposer zeroed once.
+    score_ahead: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -147,11 +153,14 @@ class WSDecodeKernelConfig:
             if self.mx_mma and not self.fast_softmax:
                 raise ValueError("fp8_mma with an mxfp4 cache weights the softmax denominators per token: it needs "
                                  "fast_softmax (the per-position sums)")
+            if self.score_ahead and self.mx_mma:
+                raise ValueError("score_ahead is built for an fp8 cache (mx_mma's column slots are per round)")
             if self.overlap or self.direct_stores or self.ordered_decode or self.idle_producers:
                 raise ValueError("fp8_mma has no decoders and a serial consumer: overlap, direct_stores, "
                                  "ordered_decode and idle_producers must be off")
-        elif self.p_split:
-            raise ValueError("p_split is fp8_mma's (P as two e4m3 terms)")
+        elif self.p_split or self.score_ahead:
+            raise ValueError("p_split and score_ahead are fp8_mma's (P as two e4m3 terms; the score wgmma a tile "
+                             "ahead)")
         elif self.kv_format != "bf16" and self.num_stages != 2:
             raise ValueError("the decoders keep two tiles in registers: fp8 / mxfp4 need num_stages == 2")
         if self.ordered_decode and (self.kv_format == "bf16" or self.overlap):
@@ -240,7 +249,7 @@ class WSDecodeKernelConfig:
             f"{'_causal' if self.causal else ''}{f'_page{self.page_size}' if self.page_size else ''}_{fp8}"
             f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{'_ov' if self.overlap else ''}"
             f"{'_idle' if self.idle_producers else ''}{'_fs' if self.fast_softmax else ''}{'_sg' if self.score_group else ''}{'_dst' if self.direct_stores else ''}{'_od' if self.ordered_decode else ''}"
-            f"{'_f8mma' if self.fp8_mma else ''}{'_ps' if self.p_split else ''}"
+            f"{'_f8mma' if self.fp8_mma else ''}{'_ps' if self.p_split else ''}{'_sa' if self.score_ahead else ''}"
         )
 
 
@@ -417,6 +426,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         for s in list(range(stages)):
             k.vt_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][0, 0])
             k.vt_addr[2 * s + 1] = dequant.smem_addr(k.Vt[s * KV_LORA_RANK, 0])
+        if cfg.score_ahead:  # every V^T byte defined before any P V reads it (a slot without a tile included)
+            T.evaluate(dequant.zero_shared(k.vt_addr[1], stages * KV_LORA_RANK * block_n, p, WARP_GROUP))
+            T.fence_proxy_async()
+            T.sync_threads(6, WARP_GROUP)  # no transposer thread writes V^T(0) before every zero has landed
         for q_pass in T.serial(k.num_passes):
             for rnd in T.serial(k.rounds):
                 for s in list(range(stages)):
@@ -729,6 +742,50 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         T.wgmma_gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
     @T.macro
+    def issue_pv_vt(k, s):
+        """``fp8_mma``: O^T += V^T P^T on stage ``s`` of the V^T ring (``p_split``: and P's lo term), not waited."""
+        T.wgmma_gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared, k.acc_o, transpose_B=True)
+        if cfg.p_split:
+            T.wgmma_gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared_lo, k.acc_o, transpose_B=True)
+
+    @T.macro
+    def attend_ahead(k, q_pass, horizon, score_scale):
+        """``score_ahead``: one pass's slots (rounds x stages, tile or not); S(0) before the loop. At slot t: wait for
+        stage t + 1's codes and issue its scores, then mask, softmax and rescale t, P(t) into shared memory, P V(t)
+        issued on V^T(t), and one wait for both groups (none is in flight across the loop's back edge: ptxas would
+        serialise every wgmma, C7514); then the codes of t + 1 and V^T(t) are released. A slot without a tile is
+        masked whole (P = 0); the score wgmma of the slot past the last reads a stage it did not wait for, and its
+        result is never used."""
+        views = k.stage_views
+        slots = k.rounds * stages
+        if k.rounds > 0:
+            T.barrier_wait(k.ready[0], ring_parity(k, q_pass, 0))
+            issue_scores(views[0], 0)
+            T.wait_wgmma(0)
+            T.barrier_arrive(k.free[0])
+        for rnd in T.serial(k.rounds):
+            for s in list(range(stages)):  # static: the stage picks named buffers and S^T fragments
+                ns = (s + 1) % stages
+                tile = rnd * stages + s
+                if tile + 1 < slots:
+                    T.barrier_wait(k.ready[ns], ring_parity(k, q_pass, rnd + (s + 1) // stages))
+                issue_scores(views[ns], ns)  # S(t + 1) runs during the softmax of t
+                mask_scores(views[s], k.split_lo + tile * block_n, horizon, score_scale)
+                steps.softmax_probabilities(softmax_ctx, views[s], tile_max_scratch(k, s), None)
+                steps.rescale_output(softmax_ctx, k)
+                # P's buffer is free (every warp waited for P V(t - 1)): an explicit barrier, as in attend_tile
+                T.sync_threads(3, CONSUMER_THREADS)
+                store_p(views[s])
+                T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
+                T.sync_threads(2, CONSUMER_THREADS)
+                T.barrier_wait(k.vt_ready[s], ring_parity(k, q_pass, rnd))
+                issue_pv_vt(k, s)
+                T.wait_wgmma(0)
+                if tile + 1 < slots:
+                    T.barrier_arrive(k.free[ns])  # the codes of t + 1 are read
+                T.barrier_arrive(k.vt_free[s])
+
+    @T.macro
     def attend_tile(k, s, tile_lo, horizon, score_scale, parity=None):
         """Scores, online-softmax step and P V for the tile in stage ``s`` (``parity``: its round's, for
         ``fp8_mma``'s V^T wait)."""
@@ -907,6 +964,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 horizon = T.min(k.split_hi, k.kv_len - k.q_len + q_pass + 1)
             if cfg.overlap:
                 attend_overlapped(k, q_pass, horizon, score_scale)
+            elif cfg.score_ahead:
+                attend_ahead(k, q_pass, horizon, score_scale)
             else:
                 if cfg.ordered_decode and cfg.l2_prefetch:
                     prefetch_prologue(k, stages)
@@ -1020,6 +1079,16 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.q_begin = scalar("int32", qo_indptr[seq_id])
         k.q_len = scalar("int32", qo_indptr[seq_id + 1] - qo_indptr[seq_id])
         k.num_passes = scalar("int32", T.max(k.q_len, 0))
+        if cfg.score_ahead:
+            # One S^T fragment (and lo term's) per stage: stage s's view of the state is the state with its own.
+            k.stage_views = []
+            for s in range(stages):
+                view = SimpleNamespace(**vars(k))
+                if s:
+                    view.acc_s = T.alloc_fragment([block_n, block_m], f32)
+                    if cfg.q_split:
+                        view.acc_s_lo = T.alloc_fragment([block_n, block_m], f32)
+                k.stage_views.append(view)
 
     @T.macro
     def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
@@ -1028,6 +1097,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0, ordered=cfg.ordered_decode,
                                        extra=(steps.TILE_MAX_CUDA_SOURCE if cfg.fast_softmax else "")
                                        + (dequant.TRANSPOSE_CUDA_SOURCE if fp8_mma else "")
+                                       + (dequant.ZERO_SHARED_CUDA_SOURCE if cfg.score_ahead else "")
                                        + (dequant.MX_E4M3_CUDA_SOURCE if cfg.mx_mma else ""))
             k = SimpleNamespace(Q=Q, KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Q_scale=Q_scale,
                                 KV_scale=KV_scale, Page_table=Page_table, sm_scale=sm_scale, O_partial=O_partial,

@@ -57,6 +57,10 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "f8mma3": dict(fp8_mma=True, num_stages=3),
     "f8mmaps": dict(fp8_mma=True, p_split=True),  # P as two e4m3 terms
     "f8mma3ps": dict(fp8_mma=True, num_stages=3, p_split=True),
+    # the MMA warp group one score ahead (S(t + 1) in flight during the softmax of t)
+    "f8sa": dict(fp8_mma=True, score_ahead=True),
+    "f8saps": dict(fp8_mma=True, score_ahead=True, p_split=True),
+    "f8sa3ps": dict(fp8_mma=True, score_ahead=True, num_stages=3, p_split=True),
 }
 TIMING_ONLY = {"idle", "ovidle", "plainidle"}
 DEFAULT_VARIANTS = "st2,st3"
