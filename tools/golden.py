@@ -104,6 +104,8 @@ def golden_variants(target: str, only: str = "all") -> list:
         # P as two e4m3 terms
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", p_split=True, **f8mma),
         schedule.ws_config(spec, kv_format="mxfp4", p_split=True, **f8mma))
+    # Not here yet: ``score_ahead``. TileLang places its equal-sized shared buffers (Q's rope rows and P; bf16 Q's
+    # two terms; the two ring stages) in an order that varies from run to run in those builds (3 dumps, 2 hashes).
     for kv_format in ("fp8", "mxfp4"):
         for mode in ("bench", "check"):
             add(("stream", schedule.ws_config(spec, kv_format=kv_format), mode))
