@@ -80,6 +80,10 @@ def test_fused_merge_waits_at_a_grid_barrier_under_a_cooperative_launch(cfg):
 WGMMA_VARIANTS = [
     schedule.ws_config(H200, kv_format="fp8"),  # the default (with its L2 prefetch)
     schedule.ws_config(H200, kv_format="fp8", overlap=True),  # the pipelined MMA warp group
+    # fp8_mma one score ahead (S(t + 1) in flight during the softmax of t; a first build had a group in flight
+    # across the loop's back edge: C7514)
+    schedule.ws_config(H200, kv_format="fp8", q_format="fp8", fp8_mma=True, p_split=True, score_ahead=True),
+    schedule.ws_config(H200, kv_format="fp8", fp8_mma=True, score_ahead=True),
 ]
 
 

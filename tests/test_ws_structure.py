@@ -384,10 +384,34 @@ def test_mx_decoder_writes_every_chunk_once_at_full_store_width():
         assert max(slots.count(x) for x in range(8)) == 4, slots
 
 
-def test_p_split_is_fp8_mmas():
-    with pytest.raises(ValueError, match="p_split is fp8_mma's"):
-        WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", p_split=True)
-    assert WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", fp8_mma=True, p_split=True).name.endswith("_ps")
+@pytest.mark.parametrize("field,suffix", [("p_split", "_ps"), ("score_ahead", "_sa")])
+def test_p_split_and_score_ahead_are_fp8_mmas(field, suffix):
+    with pytest.raises(ValueError, match="p_split and score_ahead are fp8_mma's"):
+        WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", **{field: True})
+    assert WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", fp8_mma=True, **{field: True}).name.endswith(suffix)
+
+
+def test_score_ahead_is_built_for_an_fp8_cache():
+    with pytest.raises(ValueError, match="score_ahead is built for an fp8 cache"):
+        WSDecodeKernelConfig(kv_format="mxfp4", fp8_mma=True, fast_softmax=True, score_ahead=True)
+
+
+@pytest.mark.parametrize("q_format", ["fp8", "bf16"])
+def test_score_ahead_issues_the_next_scores_before_the_softmax(q_format):
+    """``attend_ahead``: per static stage copy, S(t + 1) is issued (the other stage's codes into its own S^T
+    fragment) before this tile's scores are read, and each copy ends with one wait for every group (none in flight
+    across the back edge); the transposer zeroes the V^T ring once."""
+    cfg = schedule.ws_config(H200, kv_format="fp8", q_format=q_format, fp8_mma=True, score_ahead=True)
+    src = jit.lower(cfg, H200).kernel_source
+    consumer = src[src.index("warpgroup_reg_alloc"):src.index("warpgroup_reg_dealloc")]
+    loop = consumer[consumer.index("for (int rnd = 0;"):]
+    loop = loop[:loop.index("wait_wgmma<0>();", loop.index("wait_wgmma<0>();") + 1) + 16]
+    assert loop.count("wait_wgmma<0>();") == cfg.num_stages and "wait_wgmma<" not in loop.replace(
+        "wait_wgmma<0>();", ""), "one full wait per stage copy, nothing else"
+    first_mask = loop.index("-CUDART_INF_F")
+    assert loop[:first_mask].count("warpgroup_commit_batch") == (4 if q_format == "bf16" else 2), (
+        "the next tile's score groups are issued before this tile's scores are masked")
+    assert src.count("mla_zero_shared(") == 2  # the device function and its one call
 
 
 @pytest.mark.parametrize("field", ["overlap", "direct_stores", "ordered_decode", "idle_producers"])
