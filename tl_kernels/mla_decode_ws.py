@@ -128,9 +128,10 @@ class WSDecodeKernelConfig:
     p_split: bool = False
     # ``fp8_mma``: the MMA warp group one score ahead (FA3's intra-warp-group pipelining): at tile t it issues the
     # score wgmma of tile t + 1 (into that stage's own S^T fragment) before it waits for tile t's scores, so the
-    # tensor cores compute S(t + 1) during the softmax of t; P V(t) stays in flight until the next tile's wait. The
-    # loop body has no branch on the tile count (ptxas serialises every wgmma where paths merge with a group in
-    # flight): a slot without a tile is a fully masked tile (P = 0) over a V^T ring the transposer zeroed once.
+    # tensor cores compute S(t + 1) during the softmax of t; one wait per tile covers S(t + 1) and P V(t), so no
+    # group is in flight across the loop's back edge or where paths merge (ptxas would serialise every wgmma):
+    # the loop has no branch on the tile count, a slot without a tile is a fully masked tile (P = 0) over a V^T
+    # ring the transposer zeroed once.
     score_ahead: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
@@ -742,6 +743,15 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         T.wgmma_gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
     @T.macro
+    def probabilities(k, s, tile_lo, horizon, score_scale, slot=None):
+        """Mask and scale the finished scores of the tile in stage ``s``, then the online-softmax step (base 2; S^T:
+        the KV tile is the wgmma M dimension) up to the probabilities, not ``acc_o``. ``mx_mma``: the tile's column
+        slot ``slot`` weights the denominators."""
+        mask_scores(k, tile_lo, horizon, score_scale, slot)
+        steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s),
+                                    (lambda j: mx_column(k, slot, 2, j)) if cfg.mx_mma else None)
+
+    @T.macro
     def issue_pv_vt(k, s):
         """``fp8_mma``: O^T += V^T P^T on stage ``s`` of the V^T ring (``p_split``: and P's lo term), not waited."""
         T.wgmma_gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared, k.acc_o, transpose_B=True)
@@ -770,8 +780,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 if tile + 1 < slots:
                     T.barrier_wait(k.ready[ns], ring_parity(k, q_pass, rnd + (s + 1) // stages))
                 issue_scores(views[ns], ns)  # S(t + 1) runs during the softmax of t
-                mask_scores(views[s], k.split_lo + tile * block_n, horizon, score_scale)
-                steps.softmax_probabilities(softmax_ctx, views[s], tile_max_scratch(k, s), None)
+                probabilities(views[s], s, k.split_lo + tile * block_n, horizon, score_scale)
                 steps.rescale_output(softmax_ctx, k)
                 # P's buffer is free (every warp waited for P V(t - 1)): an explicit barrier, as in attend_tile
                 T.sync_threads(3, CONSUMER_THREADS)
@@ -801,11 +810,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 T.gemm(k.Ring_rope[s], k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
         if fp8_mma:
             T.barrier_arrive(k.free[s])  # the codes are read (P V reads V^T): the copier may refill the stage
-        slot = column_slot(s, parity) if cfg.mx_mma else None  # the tile's column values (mx_mma)
-        mask_scores(k, tile_lo, horizon, score_scale, slot)
-        # Online softmax in base 2 (S^T and O^T: the KV tile is the wgmma M dimension).
-        steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s),
-                                    (lambda j: mx_column(k, slot, 2, j)) if cfg.mx_mma else None)
+        probabilities(k, s, tile_lo, horizon, score_scale, column_slot(s, parity) if cfg.mx_mma else None)
         steps.rescale_output(softmax_ctx, k)
         if cfg.mx_mma:
             # P's buffer is free (every warp waited for the last P V before the tile's max exchange): an explicit
@@ -824,12 +829,6 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
     # ---- the pipelined MMA warp group (``overlap``): the same steps, issued a tile apart
-
-    @T.macro
-    def probabilities(k, s, tile_lo, horizon, score_scale):
-        """Mask and scale the finished scores, then the softmax step up to the probabilities (not ``acc_o``)."""
-        mask_scores(k, tile_lo, horizon, score_scale)
-        steps.softmax_probabilities(softmax_ctx, k, tile_max_scratch(k, s))
 
     @T.macro
     def publish_p(k):
@@ -1081,13 +1080,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.num_passes = scalar("int32", T.max(k.q_len, 0))
         if cfg.score_ahead:
             # One S^T fragment (and lo term's) per stage: stage s's view of the state is the state with its own.
-            k.stage_views = []
-            for s in range(stages):
+            k.stage_views = [k]
+            for _ in range(1, stages):
                 view = SimpleNamespace(**vars(k))
-                if s:
-                    view.acc_s = T.alloc_fragment([block_n, block_m], f32)
-                    if cfg.q_split:
-                        view.acc_s_lo = T.alloc_fragment([block_n, block_m], f32)
+                view.acc_s = T.alloc_fragment([block_n, block_m], f32)
+                if cfg.q_split:
+                    view.acc_s_lo = T.alloc_fragment([block_n, block_m], f32)
                 k.stage_views.append(view)
 
     @T.macro
