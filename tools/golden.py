@@ -103,9 +103,12 @@ def golden_variants(target: str, only: str = "all") -> list:
         schedule.ws_config(spec, kv_format="mxfp4", causal=True, page_size=64, **f8mma),
         # P as two e4m3 terms
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", p_split=True, **f8mma),
-        schedule.ws_config(spec, kv_format="mxfp4", p_split=True, **f8mma))
-    # Not here yet: ``score_ahead``. TileLang places its equal-sized shared buffers (Q's rope rows and P; bf16 Q's
-    # two terms; the two ring stages) in an order that varies from run to run in those builds (3 dumps, 2 hashes).
+        schedule.ws_config(spec, kv_format="mxfp4", p_split=True, **f8mma),
+        # the MMA warp group one score ahead: a8w8 flat and causal over pages of 64, bf16 Q's two terms, P's two terms
+        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", score_ahead=True, **f8mma),
+        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, score_ahead=True, **f8mma),
+        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", score_ahead=True, **f8mma),
+        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", score_ahead=True, p_split=True, **f8mma))
     for kv_format in ("fp8", "mxfp4"):
         for mode in ("bench", "check"):
             add(("stream", schedule.ws_config(spec, kv_format=kv_format), mode))
