@@ -177,7 +177,7 @@ def dim_split_body(cfg, dims: dict):
     rope_elems = 2 if mx else 4  # storage elements
     rope_copy = {"bf16": "mla_ds_copy8", "fp8": "mla_ds_copy4", "mxfp4": "mla_ds_copy2"}[cfg.kv_format]
     rope_order = dequant_hip.e2m1x4_order if mx else (lambda e: e)
-    # Dim of element e of a lane's 16 decoded elements: the mxfp4 decode pairs codes (k, k + 4) of each word
+    # Dim of element e of a lane's 16 decoded elements: the mxfp4 decode pairs even and odd codes of each word
     # (dequant_hip.E2M1_ORDER); Q is loaded in the same order and V^T rows are written by their true dim.
     order = dequant_hip.e2m1_order if mx else (lambda e: e)
     total_q, indptr_len, scale_len = dims["total_q"], dims["indptr_len"], dims["scale_len"]
