@@ -82,6 +82,16 @@ def plan_and_run(q, kv_cache, qo_indptr, kv_indptr, *, kv_format, page_table=Non
 # --- comparison ---------------------------------------------------------------------------------------------
 
 
+def per_sequence_rel_l2(out, ref, seq_of_row, batch: int) -> torch.Tensor:
+    """Relative L2 error of each sequence's rows, (batch,) float64; 0 where a sequence has no rows or a zero
+    reference. out, ref: (rows, H, D) float; seq_of_row: (rows,) the sequence of each row."""
+    err2 = torch.zeros(batch, device=out.device, dtype=torch.float64).index_add_(
+        0, seq_of_row, (out - ref).double().square().sum((1, 2)))
+    ref2 = torch.zeros(batch, device=out.device, dtype=torch.float64).index_add_(
+        0, seq_of_row, ref.double().square().sum((1, 2)))
+    return torch.where(ref2 > 0, (err2 / ref2.clamp_min(1e-300)).sqrt(), torch.zeros_like(ref2))
+
+
 def check_against_reference(out, ref_out, mode, qo_indptr, kv_indptr, *, lse=None, ref_lse=None, seqs=None,
                             context=""):
     """Compares the kernel's output (and LSE) with the reference; fails with every violated criterion, naming
@@ -134,9 +144,7 @@ def check_against_reference(out, ref_out, mode, qo_indptr, kv_indptr, *, lse=Non
         problems.append(f"max abs error {abs_err.max().item():.3e} > {bound:.3e} at {where(worst)}")
 
     # Per sequence: relative L2 over its rows (a wrong small sequence must not hide in a large batch).
-    err2 = torch.zeros(batch, device=device, dtype=torch.float64).index_add_(0, sid, err.double().square().sum((1, 2)))
-    ref2 = torch.zeros(batch, device=device, dtype=torch.float64).index_add_(0, sid, r.double().square().sum((1, 2)))
-    seq_rel = torch.where(ref2 > 0, (err2 / ref2.clamp_min(1e-300)).sqrt(), torch.zeros_like(ref2))
+    seq_rel = per_sequence_rel_l2(o, r, sid, batch)
     bad_seqs = (seq_rel > REL_L2[mode]).nonzero().flatten().tolist()
     if bad_seqs:
         worst = sorted(bad_seqs, key=lambda b: -seq_rel[b].item())[:5]

@@ -590,8 +590,8 @@ def test_fp8_decode_exhaustive():
 
 @pytest.mark.parametrize("e", range(256))
 def test_e2m1_decode_exhaustive(e):
-    """Every byte (two e2m1 codes) under every e8m0 byte (the table's integer path for e in [2, 251], its f32 path for
-    the rest): exactly code * 2^(e - 127) as bf16 (mla_decode.mxfp4_element's value; overflow to inf), NaN for
+    """Every byte (two e2m1 codes) under every e8m0 byte (the byte tables are built per e): exactly
+    code * 2^(e - 127) as bf16 (mla_decode.mxfp4_element's value; subnormal at e = 0, 1; overflow to inf), NaN for
     e = 255, in dequant_hip.E2M1_ORDER."""
     lib = _host_decoder_cached()
     mags = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])

@@ -27,7 +27,7 @@ from mla.inputs import make_harness_inputs, make_ragged_inputs  # noqa: E402
 from mla.target import spec_for_name  # noqa: E402
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig  # noqa: E402
 sys.path.insert(0, "tests")
-from helpers import REL_L2, check_against_reference  # noqa: E402  (the tests' accuracy gate, stated once there)
+from helpers import REL_L2, check_against_reference, per_sequence_rel_l2  # noqa: E402  (the tests' gate, once)
 
 SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
 OLD_FAMILY = {"block_n": 64}  # any override of the old family's fields selects it (its default tile)
@@ -137,26 +137,24 @@ def check(spec, args) -> list[dict]:
                     o, r = out.float(), ref_out.float()
                     err = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
                     finite = bool(torch.isfinite(o).all())
-                    lse_ok = torch.allclose(lse, ref_lse.float(), atol=2e-2, rtol=1e-3, equal_nan=False) or bool(
-                        ((lse - ref_lse).abs().nan_to_num(0) < 2e-2).all() and (torch.isinf(lse) == torch.isinf(ref_lse)).all()
-                    )
                     sem_zero = bool((sem == 0).all())
-                    # The tests' gate too (tests/helpers.py: per sequence, max abs, LSE): the batch-wide error above
-                    # passed P in one e4m3 term where the per-sequence gate failed it (docs/perf.md runs 48-50).
-                    worst_seq = max(seq_rel_l2(o, r, data[2]), default=0.0)
+                    # The tests' gate (tests/helpers.py: finite, relative L2 of the batch and of each sequence, max
+                    # abs, LSE): a batch-wide error alone passed P in one e4m3 term that the per-sequence gate failed
+                    # (docs/perf.md runs 48-50).
+                    seq_of_row = torch.repeat_interleave(torch.arange(len(kv_lens), device=o.device),
+                                                         data[2].diff().to(o.device))
+                    worst_seq = per_sequence_rel_l2(o, r, seq_of_row, len(kv_lens)).max().item()
                     try:
                         check_against_reference(out, ref_out, mode, data[2], data[3], lse=lse, ref_lse=ref_lse)
                         gate = ""
                     except AssertionError as failure:
                         gate = str(failure)[:500]
-                    ok = finite and err < 2e-2 and lse_ok and sem_zero and not gate
+                    ok = sem_zero and not gate
                     rows.append(dict(kind="check", case=label, mode=mode, variant=name, splits=splits, rel_l2=err,
-                                     worst_seq_rel_l2=worst_seq, finite=finite, lse_ok=lse_ok, sem_zero=sem_zero,
-                                     gate=gate, ok=ok))
+                                     worst_seq_rel_l2=worst_seq, finite=finite, sem_zero=sem_zero, gate=gate, ok=ok))
                     if not ok or args.verbose:
                         print(f"check {label:10s} {mode:5s} {name} splits={splits:2d} rel_l2={err:.2e} "
-                              f"worst seq {worst_seq:.2e} finite={finite} lse_ok={lse_ok} sem_zero={sem_zero} "
-                              f"{'OK' if ok else 'FAIL ' + gate}")
+                              f"worst seq {worst_seq:.2e} sem_zero={sem_zero} {'OK' if ok else 'FAIL ' + gate}")
     n_bad = sum(not r["ok"] for r in rows)
     print(f"check: {len(rows) - n_bad} ok, {n_bad} failed")
     for mode in args.modes.split(","):
@@ -164,17 +162,6 @@ def check(spec, args) -> list[dict]:
             worst = max(r["worst_seq_rel_l2"] for r in rows if r["mode"] == mode and r["variant"] == name)
             print(f"check {mode:5s} {name}: worst per-sequence relative L2 {worst:.2e} (gate {REL_L2[mode]:.0e})")
     return rows
-
-
-def seq_rel_l2(out, ref, qo_indptr) -> list[float]:
-    """Relative L2 error of each sequence's output rows (the tests' per-sequence measure); 0 for empty ones.
-    out, ref: (total_q, H, 512) float; qo_indptr: (batch + 1,) int."""
-    bounds = qo_indptr.tolist()
-    errs = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        ref_norm = ref[lo:hi].double().norm().item()
-        errs.append((out[lo:hi] - ref[lo:hi]).double().norm().item() / ref_norm if hi > lo and ref_norm > 0 else 0.0)
-    return errs
 
 
 def time_us(fn, flush, reps: int) -> float:
