@@ -83,8 +83,8 @@ def class_variants(spec: TargetSpec, *, mode: str, num_heads: int, q_tile: int =
         ws = schedule.ws_class_default(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
                                        q_tile=q_tile, page_size=page_size)
     if ws:
-        configs.append(schedule.ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
-                                          causal=causal, page_size=page_size))
+        configs.append(schedule.ws_default_config(spec, kv_format=kv_format, q_format=q_format,
+                                                  num_heads=num_heads, causal=causal, page_size=page_size))
     variants = schedule.decode_variants(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads,
                                         q_tile=q_tile, causal=causal, page_size=page_size)
     configs += variants

@@ -52,6 +52,8 @@ class WSDefault:
     l2_prefetch: int  # ``WSDecodeKernelConfig.l2_prefetch``: tiles ahead the producers ask L2 for (0: none)
     direct_stores: bool  # ``WSDecodeKernelConfig.direct_stores``: decoder stores by address (no decoder barriers)
     ordered_decode: bool  # ``WSDecodeKernelConfig.ordered_decode``: decodes kept below the free-stage wait
+    fp8_mma: bool = False  # ``WSDecodeKernelConfig.fp8_mma``: fp8 codes straight into fp8 wgmma (no decoders)
+    p_split: bool = False  # ``WSDecodeKernelConfig.p_split``: with fp8_mma, P as two e4m3 terms
 
 
 # Flat caches from 512 Ki tokens, fp8 and mxfp4, bf16 or fp8 Q: below that the 16-row kernel with its bit-placement
@@ -69,8 +71,12 @@ WS_DEFAULTS = {
     "mxfp4": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=None, paged_min_tokens=64 * 1024, l2_prefetch=0,
                        direct_stores=True, ordered_decode=True),
     "fp8": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=512 * 1024, paged_min_tokens=None, l2_prefetch=3,
-                     direct_stores=True, ordered_decode=False),
+                     direct_stores=True, ordered_decode=False, fp8_mma=True, p_split=True),
 }
+# fp8 caches (bf16 or fp8 Q) on the fp8 wgmma ring with P as two e4m3 terms (``fp8_mma``, ``p_split``; run 50, H100,
+# 256 x 8192: a8w8 441.9 vs 616.5 us on the decoder ring, fp8 523.8 vs 609.7; 64 x 8192: 140.3 vs 188.7, 150.3 vs
+# 172.1). P in one e4m3 term is 2-17% faster but misses the per-sequence gate on short sequences (runs 48-49); the
+# fp8 decoder tunings above (l2_prefetch, direct_stores) are then the opt-out's (``fp8_mma=False``).
 # Every format: the MMA warp group's softmax with one barrier per tile and its score wgmma waited for once
 # (``fast_softmax``, ``score_group``; run 28, H100: the MMA warp group alone 525 -> 311 us at 256 x 8192).
 WS_CONSUMER = dict(fast_softmax=True, score_group=True)
@@ -270,6 +276,21 @@ def ws_config(
     return cfg
 
 
+def ws_ring_defaults(kv_format: str) -> dict:
+    """The ring the op's default takes for this cache (``ws_config`` overrides): ``fp8_mma`` (and ``p_split``)
+    where ``WS_DEFAULTS`` says so, else none (the decoder ring)."""
+    tuned = WS_DEFAULTS.get(kv_format)
+    return dict(fp8_mma=True, p_split=tuned.p_split) if tuned is not None and tuned.fp8_mma else {}
+
+
+def ws_default_config(spec: TargetSpec, *, kv_format: str, q_format: str = "bf16", num_heads: int = 16,
+                      causal: bool = False, page_size: int = 0) -> WSDecodeKernelConfig:
+    """The warp-specialised config the op launches with no tuning overrides (``ws_config`` with
+    ``ws_ring_defaults``)."""
+    return ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
+                     page_size=page_size, **ws_ring_defaults(kv_format))
+
+
 def ws_num_splits(spec: TargetSpec, cfg: WSDecodeKernelConfig, *, batch: int, total_kv: int) -> int:
     """KV splits per sequence for the warp-specialised kernel (one CTA per SM; the merge is fused)."""
     return choose_num_splits(
@@ -315,8 +336,11 @@ def select_kernels(
     ws = overrides.pop("ws", default) and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
     if ws:
         # One launch whatever the split count: the kernel merges its splits (``combine`` is None).
+        # (no tuning overrides beyond ``ws``: the default's ring, ``ws_ring_defaults``; with any, the family's base
+        # config plus those overrides, as tuning sweeps expect)
+        ring = {} if overrides else ws_ring_defaults(kv_format)
         cfg = ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
-                        page_size=page_size, **overrides)
+                        page_size=page_size, **ring, **overrides)
         if num_splits is None:
             num_splits = ws_num_splits(spec, cfg, batch=batch, total_kv=total_kv)
         return cfg, None, num_splits
@@ -422,7 +446,7 @@ def kernel_variants(spec: TargetSpec, *, num_heads: int = 16, q_tile: int = 1, c
                                     causal=causal)
     variants = list(dict.fromkeys(variants))  # the combine kernel once
     if uses_ws(spec, num_heads=num_heads, q_tile=q_tile):  # the warp-specialised kernel, for large problems
-        variants += [ws_config(spec, kv_format=kv, q_format=q, num_heads=num_heads, causal=causal)
+        variants += [ws_default_config(spec, kv_format=kv, q_format=q, num_heads=num_heads, causal=causal)
                      for kv, q in MODES.values() if ws_min_tokens(kv, q) is not None]
     return variants
 

@@ -108,7 +108,12 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
         cfg, combine, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
                                                   total_kv=min_tokens, **common)
         assert isinstance(cfg, WSDecodeKernelConfig) and combine is None, kv_format
-        assert cfg.l2_prefetch == default.l2_prefetch
+        # the default's ring: fp8 on fp8 wgmma with P in two terms (no decoders, so no decoder tunings); mxfp4 on
+        # its decoders with theirs
+        assert (cfg.fp8_mma, cfg.p_split) == (default.fp8_mma, default.p_split), kv_format
+        assert cfg == schedule.ws_default_config(H200, kv_format=kv_format), kv_format
+        if not default.fp8_mma:
+            assert (cfg.l2_prefetch, cfg.direct_stores) == (default.l2_prefetch, default.direct_stores), kv_format
         cfg, _, _ = schedule.select_kernels(H200, kv_format=kv_format, num_heads=16, batch=8, total_q=8,
                                             total_kv=min_tokens - 1, **common)
         assert not isinstance(cfg, WSDecodeKernelConfig), (kv_format, min_tokens - 1)
@@ -120,6 +125,14 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
         cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=total_kv,
                                             **dict(common, q_format="fp8"))
         assert isinstance(cfg, WSDecodeKernelConfig) == ws and (not ws or cfg.q_format == "fp8"), total_kv
+        assert not ws or (cfg.fp8_mma and cfg.p_split), "a8w8's default: both GEMMs on fp8 wgmma, P in two terms"
+    # any tuning override beyond ``ws``: the family's base config plus those overrides (the decoder ring for fp8)
+    cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=8,
+                                        ws=True, num_stages=2, **common)
+    assert isinstance(cfg, WSDecodeKernelConfig) and not cfg.fp8_mma and cfg.l2_prefetch == 3
+    cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=8,
+                                        ws=True, **common)
+    assert cfg == schedule.ws_default_config(H200, kv_format="fp8"), "ws=True alone: the default's ring"
     assert schedule.ws_min_tokens("mxfp4", "fp8") is None and schedule.ws_min_tokens("bf16", "bf16") is None
     for kv_format in schedule.WS_FORMATS:  # paged caches: only the formats measured paged, from their own threshold
         paged_min = schedule.WS_DEFAULTS[kv_format].paged_min_tokens
