@@ -397,11 +397,33 @@ def test_mx_decoder_writes_every_chunk_once_at_full_store_width():
         assert max(slots.count(x) for x in range(8)) == 4, slots
 
 
-@pytest.mark.parametrize("field,suffix", [("p_split", "_ps"), ("score_ahead", "_sa")])
-def test_p_split_and_score_ahead_are_fp8_mmas(field, suffix):
-    with pytest.raises(ValueError, match="p_split and score_ahead are fp8_mma's"):
-        WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", **{field: True})
-    assert WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", fp8_mma=True, **{field: True}).name.endswith(suffix)
+@pytest.mark.parametrize("field,suffix,q_format", [("p_split", "_ps", "fp8"), ("score_ahead", "_sa", "fp8"),
+                                                   ("q_stack", "_qs", "bf16")])
+def test_p_split_score_ahead_and_q_stack_are_fp8_mmas(field, suffix, q_format):
+    with pytest.raises(ValueError, match="p_split, score_ahead and q_stack are fp8_mma's"):
+        WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, **{field: True})
+    assert WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, fp8_mma=True, **{field: True}).name.endswith(suffix)
+
+
+@pytest.mark.parametrize("bad", [dict(q_format="fp8"), dict(score_ahead=True)], ids=["fp8-q", "score-ahead"])
+def test_q_stack_stacks_bf16_qs_two_terms_only(bad):
+    with pytest.raises(ValueError, match="q_stack stacks bf16 Q's two e4m3 terms"):
+        WSDecodeKernelConfig(**{"kv_format": "fp8", "q_format": "bf16", "fp8_mma": True, "q_stack": True, **bad})
+
+
+def test_q_stack_scores_both_q_terms_in_one_wgmma_group():
+    """``q_stack``: per stage one score group of m64n32 wgmma (18: 16 latent + 2 rope) instead of two of m64n16,
+    P V unchanged (two m64n16 groups with ``p_split``); the lo half of S^T moves within each thread (registers 8-15
+    of the m64n32 accumulator, one 16-byte copy per 4 values) before the scores are scaled."""
+    cfg = schedule.ws_config(H200, kv_format="fp8", fp8_mma=True, p_split=True, q_stack=True)
+    src = jit.lower(cfg, H200).kernel_source
+    consumer = src[src.index("warpgroup_reg_alloc"):src.index("warpgroup_reg_dealloc")]
+    wgmma = "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, {}, 32,"
+    assert consumer.count(wgmma.format(32)) == 2 * cfg.num_stages, "one latent and one rope loop per stage"
+    assert consumer.count(wgmma.format(16)) == 2 * cfg.num_stages, "P V: P's hi and lo terms"
+    moves = re.findall(r"\*\(float4\*\)\(v_\d+ \+ \((i_\d+) \* 4\)\) = \*\(float4\*\)\(v_\d+ \+ \(\((i_\d+) \* 4\) \+ 8\)\);",
+                       consumer)
+    assert moves and all(a == b for a, b in moves), "the lo half of S^T: registers 8-15 moved within the thread"
 
 
 def test_score_ahead_is_built_for_an_fp8_cache():

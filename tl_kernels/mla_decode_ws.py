@@ -133,6 +133,11 @@ class WSDecodeKernelConfig:
     # the loop has no branch on the tile count, a slot without a tile is a fully masked tile (P = 0) over a V^T
     # ring the transposer zeroed once.
     score_ahead: bool = False
+    # ``fp8_mma`` with bf16 Q: Q's two e4m3 terms stacked as the score wgmma's 32 B-operand rows (hi rows 0-15, lo
+    # rows 16-31; S^T of m64n32), so each tile's scores take one group of 18 wgmma instead of two (the MMA warp
+    # group's serial chain: run 50, 36 of fp8's 68 wgmma per tile); the two halves are summed in registers (the
+    # accumulator's columns c and c + 16 sit in the same thread).
+    q_stack: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -159,9 +164,11 @@ class WSDecodeKernelConfig:
             if self.overlap or self.direct_stores or self.ordered_decode or self.idle_producers:
                 raise ValueError("fp8_mma has no decoders and a serial consumer: overlap, direct_stores, "
                                  "ordered_decode and idle_producers must be off")
-        elif self.p_split or self.score_ahead:
-            raise ValueError("p_split and score_ahead are fp8_mma's (P as two e4m3 terms; the score wgmma a tile "
-                             "ahead)")
+        elif self.p_split or self.score_ahead or self.q_stack:
+            raise ValueError("p_split, score_ahead and q_stack are fp8_mma's (P as two e4m3 terms; the score wgmma a "
+                             "tile ahead; Q's two terms in one wgmma)")
+        if self.q_stack and (self.q_format != "bf16" or self.score_ahead):
+            raise ValueError("q_stack stacks bf16 Q's two e4m3 terms (q_format 'bf16'), without score_ahead")
         elif self.kv_format != "bf16" and self.num_stages != 2:
             raise ValueError("the decoders keep two tiles in registers: fp8 / mxfp4 need num_stages == 2")
         if self.ordered_decode and (self.kv_format == "bf16" or self.overlap):
@@ -251,6 +258,7 @@ class WSDecodeKernelConfig:
             f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{'_ov' if self.overlap else ''}"
             f"{'_idle' if self.idle_producers else ''}{'_fs' if self.fast_softmax else ''}{'_sg' if self.score_group else ''}{'_dst' if self.direct_stores else ''}{'_od' if self.ordered_decode else ''}"
             f"{'_f8mma' if self.fp8_mma else ''}{'_ps' if self.p_split else ''}{'_sa' if self.score_ahead else ''}"
+            f"{'_qs' if self.q_stack else ''}"
         )
 
 
@@ -665,10 +673,16 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.q_row_factor[row] = T.exp2(k.q_max[0] - Q_SPLIT_TOP)
             k.q_row_scale[row] = T.exp2(Q_SPLIT_TOP - k.q_max[0])
         T.sync_threads(1, CONSUMER_THREADS)
-        for r, d in T.Parallel(block_m, KV_LORA_RANK):
-            k.Q_lat[r, d], k.Q_lat_lo[r, d] = q_terms(k, q_pass, r, d)
-        for r, d in T.Parallel(block_m, ROPE_DIM):
-            k.Q_rope[r, d], k.Q_rope_lo[r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
+        if cfg.q_stack:  # hi in rows 0..block_m - 1, lo in the next block_m
+            for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                k.Q_lat[r, d], k.Q_lat[block_m + r, d] = q_terms(k, q_pass, r, d)
+            for r, d in T.Parallel(block_m, ROPE_DIM):
+                k.Q_rope[r, d], k.Q_rope[block_m + r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
+        else:
+            for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                k.Q_lat[r, d], k.Q_lat_lo[r, d] = q_terms(k, q_pass, r, d)
+            for r, d in T.Parallel(block_m, ROPE_DIM):
+                k.Q_rope[r, d], k.Q_rope_lo[r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
 
     @T.macro
     def load_q(k, q_pass, q_inv):
@@ -696,7 +710,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         weighted back by 2^(133 - E), ``softmax_probabilities``' ``weight``)."""
         if not cfg.q_split:
             return k.acc_s[j, r] * score_scale
-        score = (k.acc_s[j, r] + k.acc_s_lo[j, r] * (1.0 / Q_SPLIT_LO)) * (score_scale * k.q_row_factor[r])
+        if cfg.q_stack:  # (the lo half moved into acc_s_lo first: ``mask_scores``)
+            both = k.acc_s2[j, r] + k.acc_s_lo[j, r] * (1.0 / Q_SPLIT_LO)
+        else:
+            both = k.acc_s[j, r] + k.acc_s_lo[j, r] * (1.0 / Q_SPLIT_LO)
+        score = both * (score_scale * k.q_row_factor[r])
         if cfg.mx_mma:
             score = score * mx_column(k, slot, 0, j) + mx_column(k, slot, 1, j)
         return score
@@ -704,6 +722,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     @T.macro
     def mask_scores(k, tile_lo, horizon, score_scale, slot=None):
         """The finished scores, scaled (``scaled_score``); -inf past the horizon (split end, causal)."""
+        if cfg.q_stack:
+            # the lo term's half of S^T into a fragment of its own (one loop may index a buffer one way only; the
+            # same thread holds both halves, so this is a register move)
+            for j, r in T.Parallel(block_n, block_m):
+                k.acc_s_lo[j, r] = k.acc_s2[j, block_m + r]
         for j, r in T.Parallel(block_n, block_m):
             k.acc_s[j, r] = T.if_then_else(tile_lo + j < horizon, scaled_score(k, j, r, score_scale, slot),
                                            -T.infinity(f32))
@@ -731,11 +754,15 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     @T.macro
     def issue_scores(k, s):
         """S^T = K Q^T of the tile in stage ``s``: two wgmma groups (latent, rope), not waited for."""
-        T.wgmma_gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
-        T.wgmma_gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
-        if cfg.q_split:  # the lo term's scores
-            T.wgmma_gemm(k.Ring_lat[s], k.Q_lat_lo, k.acc_s_lo, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(k.Ring_rope[s], k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
+        if cfg.q_stack:  # both Q terms' scores in one accumulator of 2 x block_m columns
+            T.wgmma_gemm(k.Ring_lat[s], k.Q_lat, k.acc_s2, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(k.Ring_rope[s], k.Q_rope, k.acc_s2, transpose_B=True)
+        else:
+            T.wgmma_gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
+            if cfg.q_split:  # the lo term's scores
+                T.wgmma_gemm(k.Ring_lat[s], k.Q_lat_lo, k.acc_s_lo, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(k.Ring_rope[s], k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
 
     @T.macro
     def issue_pv(k, s):
@@ -802,6 +829,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if cfg.score_group:
             issue_scores(k, s)
             T.wait_wgmma(0)
+        elif cfg.q_stack:
+            T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s2, transpose_B=True, clear_accum=True)
+            T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s2, transpose_B=True)
         else:
             T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
             T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
@@ -1054,18 +1084,22 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     def consumer_state(k, qo_indptr, seq_id):
         """The consumer's Q and P tiles, accumulators and query range."""
-        k.Q_lat = T.alloc_shared([block_m, KV_LORA_RANK], ring_dtype)
-        k.Q_rope = T.alloc_shared([block_m, ROPE_DIM], ring_dtype)
+        q_rows = 2 * block_m if cfg.q_stack else block_m  # (q_stack: hi rows, then lo rows)
+        k.Q_lat = T.alloc_shared([q_rows, KV_LORA_RANK], ring_dtype)
+        k.Q_rope = T.alloc_shared([q_rows, ROPE_DIM], ring_dtype)
         k.P_shared = T.alloc_shared([block_m, block_n], ring_dtype)
         k.P_shared_lo = T.alloc_shared([block_m, block_n], ring_dtype) if cfg.p_split else None
         if cfg.q_split:
-            k.Q_lat_lo = T.alloc_shared([block_m, KV_LORA_RANK], ring_dtype)
-            k.Q_rope_lo = T.alloc_shared([block_m, ROPE_DIM], ring_dtype)
+            if not cfg.q_stack:
+                k.Q_lat_lo = T.alloc_shared([block_m, KV_LORA_RANK], ring_dtype)
+                k.Q_rope_lo = T.alloc_shared([block_m, ROPE_DIM], ring_dtype)
             k.q_row_factor = T.alloc_shared([block_m], f32)  # 1 / each row's Q scale (a power of two)
             k.q_row_scale = T.alloc_shared([block_m], f32)  # each row's Q scale
             k.q_partial = T.alloc_shared([CONSUMER_THREADS], f32)  # partial row maxima of |Q|
             k.q_max = T.alloc_local([1], f32)
             k.acc_s_lo = T.alloc_fragment([block_n, block_m], f32)  # S^T of the lo term
+            if cfg.q_stack:
+                k.acc_s2 = T.alloc_fragment([block_n, 2 * block_m], f32)  # S^T of both terms, side by side
         k.last_flag = T.alloc_shared([1], "int32")
         # S^T [token, row] and O^T [dim, row]: the KV tile is the wgmma M dimension.
         k.acc_s = T.alloc_fragment([block_n, block_m], f32)
@@ -1102,6 +1136,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                                 LSE_partial=LSE_partial, Semaphores=Semaphores, Out=Out, LSE=LSE, hg=hg)
             cta_state(k, split_id, seq_id, kv_indptr, num_splits)
             consumer_state(k, qo_indptr, seq_id)
+            if cfg.q_stack:
+                # S^T's fragments that no wgmma writes take a wgmma accumulator's layout (m64n16), so that the lo
+                # half of the m64n32 one moves into acc_s_lo within each thread
+                T.annotate_layout({k.acc_s: score_fragment(), k.acc_s_lo: score_fragment()})
             if k.tx < CONSUMER_THREADS:
                 consume_tiles(k)
             else:
@@ -1160,6 +1198,15 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
              num_splits, O_partial, LSE_partial, Semaphores, Out, LSE)
 
     return mla_decode_ws
+
+
+def score_fragment():
+    """The wgmma accumulator layout of S^T (64 tokens x 16 rows, one warp group): token i in warp i // 16, lane
+    row i % 8; row r in lane column (r % 8) // 2; per thread 8 values (r // 8, (i % 16) // 8, r % 2)."""
+    from tilelang.layout import Fragment
+
+    return Fragment([64, 16], forward_fn=lambda i, r: ((i // 16) * 32 + (i % 8) * 4 + (r % 8) // 2,
+                                                      (r // 8) * 4 + ((i % 16) // 8) * 2 + r % 2))
 
 
 def mla_decode_stream_kernel(cfg: WSDecodeKernelConfig, mode: str = "bench"):
