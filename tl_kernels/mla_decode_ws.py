@@ -138,6 +138,11 @@ class WSDecodeKernelConfig:
     # group's serial chain: run 50, 36 of fp8's 68 wgmma per tile); the two halves are summed in registers (the
     # accumulator's columns c and c + 16 sit in the same thread).
     q_stack: bool = False
+    # ``p_split``: P's two e4m3 terms stacked as the P V wgmma's 32 B-operand rows (hi rows 0-15, lo rows 16-31; O^T
+    # of 512 x 32), so P V takes one group of 16 m64n32 wgmma instead of two of m64n16 (the MMA warp group's chain);
+    # the accumulator's two halves are rescaled alike per tile and summed once per pass (``fold_output``), at the cost
+    # of 64 more accumulator registers per thread.
+    p_stack: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -164,9 +169,11 @@ class WSDecodeKernelConfig:
             if self.overlap or self.direct_stores or self.ordered_decode or self.idle_producers:
                 raise ValueError("fp8_mma has no decoders and a serial consumer: overlap, direct_stores, "
                                  "ordered_decode and idle_producers must be off")
-        elif self.p_split or self.score_ahead or self.q_stack:
+        elif self.p_split or self.score_ahead or self.q_stack or self.p_stack:
             raise ValueError("p_split, score_ahead and q_stack are fp8_mma's (P as two e4m3 terms; the score wgmma a "
                              "tile ahead; Q's two terms in one wgmma)")
+        if self.p_stack and (not self.p_split or self.score_ahead):
+            raise ValueError("p_stack stacks p_split's two P terms (p_split), without score_ahead")
         if self.q_stack and (self.q_format != "bf16" or self.score_ahead):
             raise ValueError("q_stack stacks bf16 Q's two e4m3 terms (q_format 'bf16'), without score_ahead")
         elif self.kv_format != "bf16" and self.num_stages != 2:
@@ -258,7 +265,7 @@ class WSDecodeKernelConfig:
             f"{f'_pf{self.l2_prefetch}' if self.l2_prefetch else ''}{'_ov' if self.overlap else ''}"
             f"{'_idle' if self.idle_producers else ''}{'_fs' if self.fast_softmax else ''}{'_sg' if self.score_group else ''}{'_dst' if self.direct_stores else ''}{'_od' if self.ordered_decode else ''}"
             f"{'_f8mma' if self.fp8_mma else ''}{'_ps' if self.p_split else ''}{'_sa' if self.score_ahead else ''}"
-            f"{'_qs' if self.q_stack else ''}"
+            f"{'_qs' if self.q_stack else ''}{'_pst' if self.p_stack else ''}"
         )
 
 
@@ -741,7 +748,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def store_p(k):
         """The probabilities as bf16 into shared memory, P V's B operand (``fp8_mma``: fp8 times P_FP8_SCALE)."""
         for r, j in T.Parallel(block_m, block_n):
-            if cfg.p_split:
+            if cfg.p_stack:
+                k.P_shared[r, j], k.P_shared[block_m + r, j] = p_terms(k.acc_s[j, r])
+            elif cfg.p_split:
                 k.P_shared[r, j], k.P_shared_lo[r, j] = p_terms(k.acc_s[j, r])
             elif fp8_mma:
                 k.P_shared[r, j] = T.cast(k.acc_s[j, r] * P_FP8_SCALE, ring_dtype)
@@ -822,6 +831,27 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 T.barrier_arrive(k.vt_free[s])
 
     @T.macro
+    def rescale_pv(k):
+        """The output accumulator times this tile's rescale (``p_stack``: both halves of acc_o2, one loop each: a
+        loop may index a buffer one way only)."""
+        if cfg.p_stack:
+            for d, r in T.Parallel(KV_LORA_RANK, block_m):
+                k.acc_o2[d, r] *= k.rescale[r]
+            for d, r in T.Parallel(KV_LORA_RANK, block_m):
+                k.acc_o2[d, block_m + r] *= k.rescale[r]
+        else:
+            steps.rescale_output(softmax_ctx, k)
+
+    @T.macro
+    def fold_output(k):
+        """``p_stack``: the pass's O^T, the sum of acc_o2's two halves (P's hi and lo terms), into acc_o (the same
+        thread holds d, r and d, r + 16: register moves and adds)."""
+        for d, r in T.Parallel(KV_LORA_RANK, block_m):
+            k.acc_o[d, r] = k.acc_o2[d, block_m + r]
+        for d, r in T.Parallel(KV_LORA_RANK, block_m):
+            k.acc_o[d, r] += k.acc_o2[d, r]
+
+    @T.macro
     def attend_tile(k, s, tile_lo, horizon, score_scale, parity=None):
         """Scores, online-softmax step and P V for the tile in stage ``s`` (``parity``: its round's, for
         ``fp8_mma``'s V^T wait)."""
@@ -841,7 +871,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if fp8_mma:
             T.barrier_arrive(k.free[s])  # the codes are read (P V reads V^T): the copier may refill the stage
         probabilities(k, s, tile_lo, horizon, score_scale, column_slot(s, parity) if cfg.mx_mma else None)
-        steps.rescale_output(softmax_ctx, k)
+        rescale_pv(k)
         if cfg.mx_mma:
             # P's buffer is free (every warp waited for the last P V before the tile's max exchange): an explicit
             # barrier, so that TileLang's planner, which placed one here in some runs and not in others, has nothing
@@ -851,8 +881,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         # O^T += V^T P^T.
         if fp8_mma:
             T.barrier_wait(k.vt_ready[s], parity)
-            T.gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared, k.acc_o, transpose_B=True)
-            if cfg.p_split:  # P's lo term into the same accumulator
+            if cfg.p_stack:  # both P terms, side by side
+                T.gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared, k.acc_o2, transpose_B=True)
+            else:
+                T.gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared, k.acc_o, transpose_B=True)
+            if cfg.p_split and not cfg.p_stack:  # P's lo term into the same accumulator
                 T.gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared_lo, k.acc_o, transpose_B=True)
             T.barrier_arrive(k.vt_free[s])
         else:
@@ -982,7 +1015,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 # planner, which otherwise placed its own before or inside the tile loop from run to run (the
                 # generated code must not vary: tools/golden.py), has nothing left to order.
                 T.sync_threads(1, CONSUMER_THREADS)
-            T.fill(k.acc_o, 0)
+            if cfg.p_stack:
+                T.fill(k.acc_o2, 0)
+            else:
+                T.fill(k.acc_o, 0)
             T.fill(k.denom, 0)
             if cfg.fast_softmax:
                 T.fill(k.psum, 0)
@@ -1019,6 +1055,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                             T.barrier_arrive(k.free[s])
             if cfg.fast_softmax:
                 steps.deferred_denominator(softmax_ctx, k)
+            if cfg.p_stack:
+                fold_output(k)
             write_pass(k, q_pass, out_scale)
         if k.num_splits > 1:
             merge_splits(k)
@@ -1087,8 +1125,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         q_rows = 2 * block_m if cfg.q_stack else block_m  # (q_stack: hi rows, then lo rows)
         k.Q_lat = T.alloc_shared([q_rows, KV_LORA_RANK], ring_dtype)
         k.Q_rope = T.alloc_shared([q_rows, ROPE_DIM], ring_dtype)
-        k.P_shared = T.alloc_shared([block_m, block_n], ring_dtype)
-        k.P_shared_lo = T.alloc_shared([block_m, block_n], ring_dtype) if cfg.p_split else None
+        k.P_shared = T.alloc_shared([2 * block_m if cfg.p_stack else block_m, block_n], ring_dtype)
+        k.P_shared_lo = T.alloc_shared([block_m, block_n], ring_dtype) if cfg.p_split and not cfg.p_stack else None
         if cfg.q_split:
             if not cfg.q_stack:
                 k.Q_lat_lo = T.alloc_shared([block_m, KV_LORA_RANK], ring_dtype)
@@ -1104,6 +1142,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         # S^T [token, row] and O^T [dim, row]: the KV tile is the wgmma M dimension.
         k.acc_s = T.alloc_fragment([block_n, block_m], f32)
         k.acc_o = T.alloc_fragment([KV_LORA_RANK, block_m], f32)
+        if cfg.p_stack:
+            k.acc_o2 = T.alloc_fragment([KV_LORA_RANK, 2 * block_m], f32)  # O^T of P's two terms, side by side
         for name in ("row_max", "row_max_prev", "row_max_safe", "rescale", "row_sum", "denom"):
             setattr(k, name, T.alloc_fragment([block_m], f32))
         if cfg.fast_softmax:
@@ -1139,7 +1179,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             if cfg.q_stack:
                 # S^T's fragments that no wgmma writes take a wgmma accumulator's layout (m64n16), so that the lo
                 # half of the m64n32 one moves into acc_s_lo within each thread
-                T.annotate_layout({k.acc_s: score_fragment(), k.acc_s_lo: score_fragment()})
+                T.annotate_layout({k.acc_s: accumulator_fragment(block_n, block_m),
+                                   k.acc_s_lo: accumulator_fragment(block_n, block_m)})
+            if cfg.p_stack:  # likewise O^T, which only fold_output writes
+                T.annotate_layout({k.acc_o: accumulator_fragment(KV_LORA_RANK, block_m)})
             if k.tx < CONSUMER_THREADS:
                 consume_tiles(k)
             else:
@@ -1200,13 +1243,15 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     return mla_decode_ws
 
 
-def score_fragment():
-    """The wgmma accumulator layout of S^T (64 tokens x 16 rows, one warp group): token i in warp i // 16, lane
-    row i % 8; row r in lane column (r % 8) // 2; per thread 8 values (r // 8, (i % 16) // 8, r % 2)."""
+def accumulator_fragment(rows: int, cols: int):
+    """The wgmma accumulator layout of a rows x cols fp32 tile over one warp group (m64nN, rows / 64 blocks along
+    M): row i in warp (i % 64) // 16, lane row i % 8; column c in lane column (c % 8) // 2; per thread cols / 2
+    values per 64-row block, in the order (i // 64, c // 8, (i % 16) // 8, c % 2)."""
     from tilelang.layout import Fragment
 
-    return Fragment([64, 16], forward_fn=lambda i, r: ((i // 16) * 32 + (i % 8) * 4 + (r % 8) // 2,
-                                                      (r // 8) * 4 + ((i % 16) // 8) * 2 + r % 2))
+    return Fragment([rows, cols], forward_fn=lambda i, c: (
+        (i % 64) // 16 * 32 + (i % 8) * 4 + (c % 8) // 2,
+        (i // 64) * (cols // 2) + (c // 8) * 4 + ((i % 16) // 8) * 2 + c % 2))
 
 
 def mla_decode_stream_kernel(cfg: WSDecodeKernelConfig, mode: str = "bench"):
