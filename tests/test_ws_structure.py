@@ -405,6 +405,34 @@ def test_p_split_score_ahead_and_q_stack_are_fp8_mmas(field, suffix, q_format):
     assert WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, fp8_mma=True, **{field: True}).name.endswith(suffix)
 
 
+@pytest.mark.parametrize("bad", [dict(p_split=False), dict(score_ahead=True)], ids=["no-p-split", "score-ahead"])
+def test_p_stack_stacks_p_splits_two_terms_only(bad):
+    with pytest.raises(ValueError, match="p_stack stacks p_split's two P terms"):
+        WSDecodeKernelConfig(**{"kv_format": "fp8", "q_format": "fp8", "fp8_mma": True, "p_split": True,
+                                "p_stack": True, **bad})
+
+
+@pytest.mark.parametrize("q_format", ["fp8", "bf16"])
+def test_p_stack_multiplies_both_p_terms_in_one_wgmma_group(q_format):
+    """``p_stack``: per stage one P V group of m64n32 wgmma (16: 8 row blocks of V^T x 2) instead of two of m64n16;
+    O^T's two halves (registers 16 b + 0-7 and 16 b + 8-15 of each 64-row block b) rescaled per tile, then summed
+    into the 64-register acc_o once per pass, within each thread."""
+    extra = dict(q_stack=True) if q_format == "bf16" else {}
+    cfg = schedule.ws_config(H200, kv_format="fp8", q_format=q_format, fp8_mma=True, p_split=True, p_stack=True,
+                             **extra)
+    src = jit.lower(cfg, H200).kernel_source
+    consumer = src[src.index("warpgroup_reg_alloc"):src.index("warpgroup_reg_dealloc")]
+    wgmma = "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, {}, 32,"
+    # call sites per stage: the score's latent and rope loops (m64n32 with q_stack, else m64n16), P V's one loop
+    n32, n16 = (3, 0) if q_format == "bf16" else (1, 2)
+    assert (consumer.count(wgmma.format(32)), consumer.count(wgmma.format(16))) == (
+        n32 * cfg.num_stages, n16 * cfg.num_stages), cfg.name
+    assert re.search(r"float v_\d+\[128\];", src), "O^T of 512 x 32: 128 floats per thread"
+    fold = re.findall(r"\*\(float4\*\)\(v_\d+ \+ \((i_\d+) \* 4\)\) = \*\(float4\*\)\(v_\d+ \+ \(\(\(\((i_\d+) >> 1\) \* 16\) "
+                      r"\+ \(\((i_\d+) & 1\) \* 4\)\) \+ 8\)\);", src)
+    assert fold, "the hi half of O^T moved into acc_o within the thread"
+
+
 @pytest.mark.parametrize("bad", [dict(q_format="fp8"), dict(score_ahead=True)], ids=["fp8-q", "score-ahead"])
 def test_q_stack_stacks_bf16_qs_two_terms_only(bad):
     with pytest.raises(ValueError, match="q_stack stacks bf16 Q's two e4m3 terms"):
