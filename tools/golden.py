@@ -109,6 +109,9 @@ def golden_variants(target: str, only: str = "all") -> list:
         schedule.ws_default_config(spec, kv_format="fp8", q_format="bf16", causal=True, page_size=64),
         # bf16 Q's two e4m3 terms stacked in one score wgmma (m64n32)
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", p_split=True, q_stack=True, **f8mma),
+        # P's two terms stacked in one P V wgmma group (m64n32): a8w8, and bf16 Q with q_stack
+        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", p_split=True, p_stack=True, **f8mma),
+        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", p_split=True, q_stack=True, p_stack=True, **f8mma),
         # the MMA warp group one score ahead: a8w8 flat and causal over pages of 64, bf16 Q's two terms, P's two terms
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", score_ahead=True, **f8mma),
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, score_ahead=True, **f8mma),
