@@ -54,6 +54,7 @@ class WSDefault:
     ordered_decode: bool  # ``WSDecodeKernelConfig.ordered_decode``: decodes kept below the free-stage wait
     fp8_mma: bool = False  # ``WSDecodeKernelConfig.fp8_mma``: fp8 codes straight into fp8 wgmma (no decoders)
     p_split: bool = False  # ``WSDecodeKernelConfig.p_split``: with fp8_mma, P as two e4m3 terms
+    q_stack: bool = False  # ``WSDecodeKernelConfig.q_stack``: with fp8_mma and bf16 Q, both Q terms in one wgmma
 
 
 # Flat caches from 512 Ki tokens, fp8 and mxfp4, bf16 or fp8 Q: below that the 16-row kernel with its bit-placement
@@ -71,7 +72,7 @@ WS_DEFAULTS = {
     "mxfp4": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=None, paged_min_tokens=64 * 1024, l2_prefetch=0,
                        direct_stores=True, ordered_decode=True),
     "fp8": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=512 * 1024, paged_min_tokens=None, l2_prefetch=3,
-                     direct_stores=True, ordered_decode=False, fp8_mma=True, p_split=True),
+                     direct_stores=True, ordered_decode=False, fp8_mma=True, p_split=True, q_stack=True),
 }
 # fp8 caches (bf16 or fp8 Q) on the fp8 wgmma ring with P as two e4m3 terms (``fp8_mma``, ``p_split``; run 50, H100,
 # 256 x 8192: a8w8 441.9 vs 616.5 us on the decoder ring, fp8 523.8 vs 609.7; 64 x 8192: 140.3 vs 188.7, 150.3 vs
@@ -276,11 +277,13 @@ def ws_config(
     return cfg
 
 
-def ws_ring_defaults(kv_format: str) -> dict:
-    """The ring the op's default takes for this cache (``ws_config`` overrides): ``fp8_mma`` (and ``p_split``)
-    where ``WS_DEFAULTS`` says so, else none (the decoder ring)."""
+def ws_ring_defaults(kv_format: str, q_format: str = "bf16") -> dict:
+    """The ring the op's default takes for this cache and Q format (``ws_config`` overrides): ``fp8_mma`` (with
+    ``p_split``, and ``q_stack`` for bf16 Q) where ``WS_DEFAULTS`` says so, else none (the decoder ring)."""
     tuned = WS_DEFAULTS.get(kv_format)
-    return dict(fp8_mma=True, p_split=tuned.p_split) if tuned is not None and tuned.fp8_mma else {}
+    if tuned is None or not tuned.fp8_mma:
+        return {}
+    return dict(fp8_mma=True, p_split=tuned.p_split, q_stack=tuned.q_stack and q_format == "bf16")
 
 
 def ws_default_config(spec: TargetSpec, *, kv_format: str, q_format: str = "bf16", num_heads: int = 16,
@@ -288,7 +291,7 @@ def ws_default_config(spec: TargetSpec, *, kv_format: str, q_format: str = "bf16
     """The warp-specialised config the op launches with no tuning overrides (``ws_config`` with
     ``ws_ring_defaults``)."""
     return ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
-                     page_size=page_size, **ws_ring_defaults(kv_format))
+                     page_size=page_size, **ws_ring_defaults(kv_format, q_format))
 
 
 def ws_num_splits(spec: TargetSpec, cfg: WSDecodeKernelConfig, *, batch: int, total_kv: int) -> int:
@@ -338,7 +341,7 @@ def select_kernels(
         # One launch whatever the split count: the kernel merges its splits (``combine`` is None).
         # (no tuning overrides beyond ``ws``: the default's ring, ``ws_ring_defaults``; with any, the family's base
         # config plus those overrides, as tuning sweeps expect)
-        ring = {} if overrides else ws_ring_defaults(kv_format)
+        ring = {} if overrides else ws_ring_defaults(kv_format, q_format)
         cfg = ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
                         page_size=page_size, **ring, **overrides)
         if num_splits is None:

@@ -110,7 +110,7 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
         assert isinstance(cfg, WSDecodeKernelConfig) and combine is None, kv_format
         # the default's ring: fp8 on fp8 wgmma with P in two terms (no decoders, so no decoder tunings); mxfp4 on
         # its decoders with theirs
-        assert (cfg.fp8_mma, cfg.p_split) == (default.fp8_mma, default.p_split), kv_format
+        assert (cfg.fp8_mma, cfg.p_split, cfg.q_stack) == (default.fp8_mma, default.p_split, default.q_stack), kv_format
         assert cfg == schedule.ws_default_config(H200, kv_format=kv_format), kv_format
         if not default.fp8_mma:
             assert (cfg.l2_prefetch, cfg.direct_stores) == (default.l2_prefetch, default.direct_stores), kv_format
