@@ -55,6 +55,7 @@ class WSDefault:
     fp8_mma: bool = False  # ``WSDecodeKernelConfig.fp8_mma``: fp8 codes straight into fp8 wgmma (no decoders)
     p_split: bool = False  # ``WSDecodeKernelConfig.p_split``: with fp8_mma, P as two e4m3 terms
     q_stack: bool = False  # ``WSDecodeKernelConfig.q_stack``: with fp8_mma and bf16 Q, both Q terms in one wgmma
+    p_stack: bool = False  # ``WSDecodeKernelConfig.p_stack``: with p_split, both P terms in one wgmma
 
 
 # Flat caches from 512 Ki tokens, fp8 and mxfp4, bf16 or fp8 Q: below that the 16-row kernel with its bit-placement
@@ -72,12 +73,15 @@ WS_DEFAULTS = {
     "mxfp4": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=None, paged_min_tokens=64 * 1024, l2_prefetch=0,
                        direct_stores=True, ordered_decode=True),
     "fp8": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=512 * 1024, paged_min_tokens=None, l2_prefetch=3,
-                     direct_stores=True, ordered_decode=False, fp8_mma=True, p_split=True, q_stack=True),
+                     direct_stores=True, ordered_decode=False, fp8_mma=True, p_split=True, q_stack=True,
+                     p_stack=True),
 }
 # fp8 caches (bf16 or fp8 Q) on the fp8 wgmma ring with P as two e4m3 terms (``fp8_mma``, ``p_split``; run 50, H100,
 # 256 x 8192: a8w8 441.9 vs 616.5 us on the decoder ring, fp8 523.8 vs 609.7; 64 x 8192: 140.3 vs 188.7, 150.3 vs
 # 172.1). P in one e4m3 term is 2-17% faster but misses the per-sequence gate on short sequences (runs 48-49); the
-# fp8 decoder tunings above (l2_prefetch, direct_stores) are then the opt-out's (``fp8_mma=False``).
+# fp8 decoder tunings above (l2_prefetch, direct_stores) are then the opt-out's (``fp8_mma=False``). Both terms of P
+# (and bf16 Q's two terms) in one m64n32 wgmma group each (``p_stack``, ``q_stack``; run 51, H100, 256 x 8192: fp8
+# 518.2 -> 428.0 us, a8w8 427.7 -> 420.1; 64 x 8192: fp8 130.8 against the bench's 148.1 for P split alone).
 # Every format: the MMA warp group's softmax with one barrier per tile and its score wgmma waited for once
 # (``fast_softmax``, ``score_group``; run 28, H100: the MMA warp group alone 525 -> 311 us at 256 x 8192).
 WS_CONSUMER = dict(fast_softmax=True, score_group=True)
@@ -279,11 +283,13 @@ def ws_config(
 
 def ws_ring_defaults(kv_format: str, q_format: str = "bf16") -> dict:
     """The ring the op's default takes for this cache and Q format (``ws_config`` overrides): ``fp8_mma`` (with
-    ``p_split``, and ``q_stack`` for bf16 Q) where ``WS_DEFAULTS`` says so, else none (the decoder ring)."""
+    ``p_split`` and ``p_stack``, and ``q_stack`` for bf16 Q) where ``WS_DEFAULTS`` says so, else none (the decoder
+    ring)."""
     tuned = WS_DEFAULTS.get(kv_format)
     if tuned is None or not tuned.fp8_mma:
         return {}
-    return dict(fp8_mma=True, p_split=tuned.p_split, q_stack=tuned.q_stack and q_format == "bf16")
+    return dict(fp8_mma=True, p_split=tuned.p_split, q_stack=tuned.q_stack and q_format == "bf16",
+                p_stack=tuned.p_stack)
 
 
 def ws_default_config(spec: TargetSpec, *, kv_format: str, q_format: str = "bf16", num_heads: int = 16,

@@ -104,13 +104,15 @@ def test_paged_ring(mode, page_size):
                                 context=f"page_size={page_size} num_splits={splits}")
 
 
-# ---- a8w8 on fp8 wgmma (``fp8_mma``, issue 28 step 5; opt-in, prebuilt by tools/ws_check.py --prebuild --check
-# --modes a8w8 --variants f8mma) ---------------------------------------------------------------------------------
+# ---- fp8 caches on fp8 wgmma (``fp8_mma``, issue 28 step 5: the default ring of a8w8 and fp8) and mxfp4 on it (step
+# 4, opt-in, prebuilt by tools/ws_check.py --prebuild --check --modes mxfp4 --variants f8mmaps) ----------------------
 # Its ring has four barriers per stage and three roles (copier, V^T transposer, MMA warp group); one version of that
 # protocol hung on the GPU (docs/perf.md run 47: a barrier completing two phases ahead of its waiter). So every case
 # runs in a child process under a watchdog: a hang fails the test instead of stalling the suite.
 F8MMA_WATCHDOG_S = 240
-F8MMA = {"ws": True, "fp8_mma": True, "p_split": True}  # P as two e4m3 terms: one misses the gate (runs 48-49)
+# The default ring for fp8 caches (P as two e4m3 terms in one wgmma group, bf16 Q's two terms likewise:
+# ``schedule.ws_ring_defaults``); mxfp4 opts in, with P as two terms (one misses the gate: runs 48-49).
+F8MMA = {"a8w8": WS, "fp8": WS, "mxfp4": {"ws": True, "fp8_mma": True, "p_split": True}}
 _F8MMA_CASES = r"""
 import json, math, sys, traceback
 import torch
@@ -129,7 +131,7 @@ def call(data, mode, causal=False, num_splits=None, page_size=0):
     out = poisoned((q.shape[0], 16, 512), torch.bfloat16)
     lse = poisoned((q.shape[0], 16), torch.float32)
     mla_decode(q, cache, qo_indptr, kv_indptr, out=out, lse=lse, return_lse=True, causal=causal,
-               num_splits=num_splits, config_overrides=F8MMA, **kw, **extra)
+               num_splits=num_splits, config_overrides=F8MMA[mode], **kw, **extra)
     return out, lse
 
 cases = []

@@ -110,7 +110,8 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
         assert isinstance(cfg, WSDecodeKernelConfig) and combine is None, kv_format
         # the default's ring: fp8 on fp8 wgmma with P in two terms (no decoders, so no decoder tunings); mxfp4 on
         # its decoders with theirs
-        assert (cfg.fp8_mma, cfg.p_split, cfg.q_stack) == (default.fp8_mma, default.p_split, default.q_stack), kv_format
+        assert (cfg.fp8_mma, cfg.p_split, cfg.q_stack, cfg.p_stack) == (
+            default.fp8_mma, default.p_split, default.q_stack, default.p_stack), kv_format
         assert cfg == schedule.ws_default_config(H200, kv_format=kv_format), kv_format
         if not default.fp8_mma:
             assert (cfg.l2_prefetch, cfg.direct_stores) == (default.l2_prefetch, default.direct_stores), kv_format
@@ -125,7 +126,8 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
         cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=total_kv,
                                             **dict(common, q_format="fp8"))
         assert isinstance(cfg, WSDecodeKernelConfig) == ws and (not ws or cfg.q_format == "fp8"), total_kv
-        assert not ws or (cfg.fp8_mma and cfg.p_split), "a8w8's default: both GEMMs on fp8 wgmma, P in two terms"
+        assert not ws or (cfg.fp8_mma and cfg.p_split and cfg.p_stack and not cfg.q_stack), (
+            "a8w8's default: both GEMMs on fp8 wgmma, P's two terms in one P V group")
     # any tuning override beyond ``ws``: the family's base config plus those overrides (the decoder ring for fp8)
     cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=8,
                                         ws=True, num_stages=2, **common)
