@@ -42,6 +42,18 @@ def time_call_us(fn, *, reps: int, warmup: int, flush: torch.Tensor | None) -> l
     return times_us
 
 
+def spin_up(seconds: float = 1.0, device: str = "cuda") -> None:
+    """Keep the GPU busy for about ``seconds`` (bf16 matmuls) before timing, so the first kernel timed does not pay
+    for clocks still ramping up (docs/perf.md run 51: the first kernel ws_check timed came out ~35% slow at every
+    split count, the same kernel in bench.py, after its read-ceiling measurement, did not)."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(8):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+
+
 def gbps_of(bytes_read: float, time_us: float) -> float:
     """GB/s (1e9 bytes per second) of ``bytes_read`` bytes in ``time_us`` us."""
     return bytes_read / time_us / 1e3
