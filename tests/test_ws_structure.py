@@ -399,12 +399,25 @@ def test_mx_decoder_writes_every_chunk_once_at_full_store_width():
         assert max(slots.count(x) for x in range(8)) == 4, slots
 
 
-@pytest.mark.parametrize("field,suffix,q_format", [("p_split", "_ps", "fp8"), ("score_ahead", "_sa", "fp8"),
-                                                   ("q_stack", "_qs", "bf16")])
-def test_p_split_score_ahead_and_q_stack_are_fp8_mmas(field, suffix, q_format):
-    with pytest.raises(ValueError, match="p_split, score_ahead and q_stack are fp8_mma's"):
-        WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, **{field: True})
-    assert WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, fp8_mma=True, **{field: True}).name.endswith(suffix)
+@pytest.mark.parametrize("fields,suffix,q_format", [(("p_split",), "_ps", "fp8"), (("score_ahead",), "_sa", "fp8"),
+                                                    (("q_stack",), "_qs", "bf16"),
+                                                    (("p_split", "p_stack"), "_pst", "fp8")])
+def test_p_split_score_ahead_and_the_stacks_are_fp8_mmas(fields, suffix, q_format):
+    with pytest.raises(ValueError, match="p_split, score_ahead, q_stack and p_stack are fp8_mma's"):
+        WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, **{f: True for f in fields})
+    cfg = WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, fp8_mma=True, **{f: True for f in fields})
+    assert cfg.name.endswith(suffix)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_stacks_keep_fp8_mmas_ring_depths(stages):
+    """The stacks' checks sit inside fp8_mma's (a misplaced one once cut the elif chain that frees fp8_mma from the
+    decoders' two-stage rule)."""
+    for extra in (dict(q_format="fp8"), dict(q_format="bf16", q_stack=True)):
+        cfg = WSDecodeKernelConfig(kv_format="fp8", fp8_mma=True, p_split=True, p_stack=True, num_stages=stages, **extra)
+        assert cfg.num_stages == stages
+    with pytest.raises(ValueError, match="need num_stages == 2"):
+        WSDecodeKernelConfig(kv_format="fp8", num_stages=stages + 1)
 
 
 @pytest.mark.parametrize("bad", [dict(p_split=False), dict(score_ahead=True)], ids=["no-p-split", "score-ahead"])

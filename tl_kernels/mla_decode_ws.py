@@ -169,13 +169,13 @@ class WSDecodeKernelConfig:
             if self.overlap or self.direct_stores or self.ordered_decode or self.idle_producers:
                 raise ValueError("fp8_mma has no decoders and a serial consumer: overlap, direct_stores, "
                                  "ordered_decode and idle_producers must be off")
+            if self.p_stack and (not self.p_split or self.score_ahead):
+                raise ValueError("p_stack stacks p_split's two P terms (p_split), without score_ahead")
+            if self.q_stack and (self.q_format != "bf16" or self.score_ahead):
+                raise ValueError("q_stack stacks bf16 Q's two e4m3 terms (q_format 'bf16'), without score_ahead")
         elif self.p_split or self.score_ahead or self.q_stack or self.p_stack:
-            raise ValueError("p_split, score_ahead and q_stack are fp8_mma's (P as two e4m3 terms; the score wgmma a "
-                             "tile ahead; Q's two terms in one wgmma)")
-        if self.p_stack and (not self.p_split or self.score_ahead):
-            raise ValueError("p_stack stacks p_split's two P terms (p_split), without score_ahead")
-        if self.q_stack and (self.q_format != "bf16" or self.score_ahead):
-            raise ValueError("q_stack stacks bf16 Q's two e4m3 terms (q_format 'bf16'), without score_ahead")
+            raise ValueError("p_split, score_ahead, q_stack and p_stack are fp8_mma's (P as two e4m3 terms; the "
+                             "score wgmma a tile ahead; Q's or P's two terms in one wgmma)")
         elif self.kv_format != "bf16" and self.num_stages != 2:
             raise ValueError("the decoders keep two tiles in registers: fp8 / mxfp4 need num_stages == 2")
         if self.ordered_decode and (self.kv_format == "bf16" or self.overlap):
