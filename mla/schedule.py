@@ -345,11 +345,11 @@ def select_kernels(
     ws = overrides.pop("ws", default) and uses_ws(spec, num_heads=num_heads, q_tile=q_tile)
     if ws:
         # One launch whatever the split count: the kernel merges its splits (``combine`` is None).
-        # (no tuning overrides beyond ``ws``: the default's ring, ``ws_ring_defaults``; with any, the family's base
-        # config plus those overrides, as tuning sweeps expect)
-        ring = {} if overrides else ws_ring_defaults(kv_format, q_format)
-        cfg = ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
-                        page_size=page_size, **ring, **overrides)
+        # No tuning overrides beyond ``ws``: the default's config; with any, the family's base config plus those
+        # overrides, as tuning sweeps expect.
+        problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
+                       page_size=page_size)
+        cfg = ws_config(spec, **problem, **overrides) if overrides else ws_default_config(spec, **problem)
         if num_splits is None:
             num_splits = ws_num_splits(spec, cfg, batch=batch, total_kv=total_kv)
         return cfg, None, num_splits

@@ -405,7 +405,8 @@ def test_mx_decoder_writes_every_chunk_once_at_full_store_width():
 def test_p_split_score_ahead_and_the_stacks_are_fp8_mmas(fields, suffix, q_format):
     with pytest.raises(ValueError, match="p_split, score_ahead, q_stack and p_stack are fp8_mma's"):
         WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, **{f: True for f in fields})
-    cfg = WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, fp8_mma=True, **{f: True for f in fields})
+    cfg = WSDecodeKernelConfig(kv_format="fp8", q_format=q_format, fp8_mma=True, score_group=True,
+                               **{f: True for f in fields})
     assert cfg.name.endswith(suffix)
 
 
@@ -413,7 +414,7 @@ def test_p_split_score_ahead_and_the_stacks_are_fp8_mmas(fields, suffix, q_forma
 def test_the_stacks_keep_fp8_mmas_ring_depths(stages):
     """The stacks' checks sit inside fp8_mma's (a misplaced one once cut the elif chain that frees fp8_mma from the
     decoders' two-stage rule)."""
-    for extra in (dict(q_format="fp8"), dict(q_format="bf16", q_stack=True)):
+    for extra in (dict(q_format="fp8"), dict(q_format="bf16", q_stack=True, score_group=True)):
         cfg = WSDecodeKernelConfig(kv_format="fp8", fp8_mma=True, p_split=True, p_stack=True, num_stages=stages, **extra)
         assert cfg.num_stages == stages
     with pytest.raises(ValueError, match="need num_stages == 2"):
@@ -448,10 +449,12 @@ def test_p_stack_multiplies_both_p_terms_in_one_wgmma_group(q_format):
     assert fold, "the hi half of O^T moved into acc_o within the thread"
 
 
-@pytest.mark.parametrize("bad", [dict(q_format="fp8"), dict(score_ahead=True)], ids=["fp8-q", "score-ahead"])
+@pytest.mark.parametrize("bad", [dict(q_format="fp8"), dict(score_ahead=True), dict(score_group=False)],
+                         ids=["fp8-q", "score-ahead", "no-score-group"])
 def test_q_stack_stacks_bf16_qs_two_terms_only(bad):
     with pytest.raises(ValueError, match="q_stack stacks bf16 Q's two e4m3 terms"):
-        WSDecodeKernelConfig(**{"kv_format": "fp8", "q_format": "bf16", "fp8_mma": True, "q_stack": True, **bad})
+        WSDecodeKernelConfig(**{"kv_format": "fp8", "q_format": "bf16", "fp8_mma": True, "q_stack": True,
+                                "score_group": True, **bad})
 
 
 def test_q_stack_scores_both_q_terms_in_one_wgmma_group():

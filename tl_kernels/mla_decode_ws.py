@@ -171,8 +171,9 @@ class WSDecodeKernelConfig:
                                  "ordered_decode and idle_producers must be off")
             if self.p_stack and (not self.p_split or self.score_ahead):
                 raise ValueError("p_stack stacks p_split's two P terms (p_split), without score_ahead")
-            if self.q_stack and (self.q_format != "bf16" or self.score_ahead):
-                raise ValueError("q_stack stacks bf16 Q's two e4m3 terms (q_format 'bf16'), without score_ahead")
+            if self.q_stack and (self.q_format != "bf16" or self.score_ahead or not self.score_group):
+                raise ValueError("q_stack stacks bf16 Q's two e4m3 terms (q_format 'bf16'), in score_group's one "
+                                 "wgmma group, without score_ahead")
         elif self.p_split or self.score_ahead or self.q_stack or self.p_stack:
             raise ValueError("p_split, score_ahead, q_stack and p_stack are fp8_mma's (P as two e4m3 terms; the "
                              "score wgmma a tile ahead; Q's or P's two terms in one wgmma)")
@@ -835,10 +836,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         """The output accumulator times this tile's rescale (``p_stack``: both halves of acc_o2, one loop each: a
         loop may index a buffer one way only)."""
         if cfg.p_stack:
-            for d, r in T.Parallel(KV_LORA_RANK, block_m):
-                k.acc_o2[d, r] *= k.rescale[r]
-            for d, r in T.Parallel(KV_LORA_RANK, block_m):
-                k.acc_o2[d, block_m + r] *= k.rescale[r]
+            for half in list(range(2)):  # static
+                for d, r in T.Parallel(KV_LORA_RANK, block_m):
+                    k.acc_o2[d, half * block_m + r] *= k.rescale[r]
         else:
             steps.rescale_output(softmax_ctx, k)
 
@@ -859,9 +859,6 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if cfg.score_group:
             issue_scores(k, s)
             T.wait_wgmma(0)
-        elif cfg.q_stack:
-            T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s2, transpose_B=True, clear_accum=True)
-            T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s2, transpose_B=True)
         else:
             T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
             T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)

@@ -13,20 +13,22 @@ import argparse
 import dataclasses
 import json
 import math
+import pathlib
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, ".")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 from mla import jit, reference, schedule, workspace  # noqa: E402
 from mla.constants import MODES  # noqa: E402
 from mla.harness import run_harness  # noqa: E402
 from mla.inputs import make_harness_inputs, make_ragged_inputs  # noqa: E402
 from mla.target import spec_for_name  # noqa: E402
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig  # noqa: E402
-sys.path.insert(0, "tests")
+sys.path.insert(0, str(ROOT / "tests"))
 from helpers import REL_L2, check_against_reference, per_sequence_rel_l2  # noqa: E402  (the tests' gate, once)
 
 SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
