@@ -7,6 +7,9 @@
     python tools/one_call.py bf16 4 1024 --heads 128 --q-len 2 --causal --rows --splits 3   # the 64-row kernel
     python tools/one_call.py fp8 64 8192 --config '{"ws": true}' --splits 1   # the warp-specialised kernel, forced
     python tools/one_call.py fp8 64 8192 --config '{"ws": false}'             # the 16/32/64-row kernel, forced
+    python tools/one_call.py a8w8 32 1024 --profile 20              # where one call's GPU time goes: each kernel's
+                                                                    # mean duration (torch.profiler) beside the
+                                                                    # call's event time, L2 flushed before each call
 
 Exits 1 when the output has a NaN/inf or is off the fp32 reference by more than the tests' tolerance.
 """
@@ -26,6 +29,36 @@ from mla.inputs import to_paged  # noqa: E402
 from mla.reference import harness_reference  # noqa: E402
 from mla_bench.calls import make_inputs, planned_call  # noqa: E402
 from mla_bench.cases import uniform_case  # noqa: E402
+from mla_bench.timing import FLUSH_BYTES, time_call_us  # noqa: E402
+
+
+
+def profile_call(fn, calls: int) -> None:
+    """Each kernel's mean GPU time per call (torch.profiler's device events) beside the median event time of the
+    whole call (as bench.py times it: L2 flushed before each call); the gap is launch gaps and host waits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    event_us = sorted(time_call_us(fn, reps=calls, warmup=2, flush=flush))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+            torch.cuda.synchronize()
+    kernels = {}
+    for evt in prof.events():
+        if evt.device_type.name == "CUDA":
+            # the flush is a fill of FLUSH_BYTES (>= 50 us on any HBM3 card); the op's own fills are small
+            flushing = "fill" in evt.name.lower() and evt.device_time > 20
+            kernels.setdefault(("(L2 flush) " if flushing else "") + evt.name, []).append(evt.device_time)
+    total_us = 0.0
+    for name, times_us in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
+        per_call_us = sum(times_us) / calls
+        total_us += 0.0 if name.startswith("(L2 flush)") else per_call_us
+        print(f"  {per_call_us:8.2f} us/call  x{len(times_us) / calls:.1f}  {name[:110]}")
+    print(f"  {total_us:8.2f} us/call in kernels; the call's event time: median {event_us[len(event_us) // 2]:.2f} us"
+          f" (min {event_us[0]:.2f})")
+
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("mode", choices=list(MODES))
@@ -39,6 +72,8 @@ parser.add_argument("--splits", type=int, default=None)
 parser.add_argument("--plan", action="store_true", help="call mla.decode.plan(...).run(...) instead of mla_decode")
 parser.add_argument("--reps", type=int, default=3)
 parser.add_argument("--rows", action="store_true", help="opt into the 64-row kernel class (config_overrides rows=True)")
+parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="also time CALLS calls (L2 flushed before each) under torch.profiler: per-kernel GPU us")
 parser.add_argument("--config", type=json.loads, default=None, metavar="JSON",
                     help='kernel config overrides (as bench.py --config), e.g. \'{"ws": true}\'')
 args = parser.parse_args()
@@ -58,6 +93,8 @@ else:
 for _ in range(args.reps):
     out = call()
 torch.cuda.synchronize()
+if args.profile:
+    profile_call(call, args.profile)
 ref, _ = harness_reference(data, args.mode, causal=args.causal)
 rel_l2 = ((out.float() - ref).norm() / ref.norm()).item()
 finite = bool(torch.isfinite(out).all())
