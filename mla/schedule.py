@@ -34,10 +34,11 @@ WS_COMBINE_TILES_PER_SPLIT = 0.25
 # gfx942 always uses the combine kernel.
 FUSED_COMBINE_ON_CUDA = True
 # CTAs of a fused grid per SM (``fused_fits``): 1, or 2 where two fit at once (128-thread CTAs whose shared memory
-# allows two: registers never bind there, 2 x 128 threads x 255 registers < 64 Ki). Two would give the small
-# problems twice the CTAs, each with half the tiles (the 16-row kernel's tiles are latency-bound: run 51 had
-# ~5 us per extra 64-token tile at 4 x 8192 against ~1.6 us of bandwidth); unmeasured, so a tuning override
-# (``config_overrides={"fused_ctas_per_sm": 2}``) until a run decides.
+# allows two: registers never bind there, 2 x 128 threads x 255 registers < 64 Ki). Two are slower (run 52, H100,
+# same run): 32 x 1024 and 64 x 1024 as one fused launch of 256 CTAs instead of decode + combine, bf16 31.7 -> 33.8
+# and 47.7 -> 52.9 us, fp8 27.8 -> 32.4 and 38.4 -> 44.6, mxfp4 27.2 -> 31.9 and 38.8 -> 45.6 (a8w8 38.7 -> 37.5 and
+# 49.4 -> 50.8: its amax reduction launch goes); 4 x 8192 at 64 splits fused 38.5-63.3 against 31.2-36.0 at 32. So
+# one per SM; two stay a tuning override (``config_overrides={"fused_ctas_per_sm": 2}``).
 FUSED_CTAS_PER_SM = 1
 REGISTERS_PER_SM = 64 * 1024
 # The 16/32/64-row kernel's compressed tiles on CUDA: whole 16-code chunks loaded into registers (a flat cache's one
@@ -65,10 +66,10 @@ class WSDefault:
     p_stack: bool = False  # ``WSDecodeKernelConfig.p_stack``: with p_split, both P terms in one wgmma
 
 
-# Flat caches from 512 Ki tokens, fp8 and mxfp4, bf16 or fp8 Q: below that the 16-row kernel with its bit-placement
-# decode (``fast_decode``) is faster (run 33, H100, same-run A/B: fp8 32 x 8192 99.7 vs 109.5 us, 256 x 1024 94.6
-# vs 105.1; mxfp4 32 x 8192 107.7 vs 118.0, 64 x 1024 40.3 vs 58.8, 256 x 1024 103.6 vs 97.7; the WS kernel
-# at 64 x 8192: fp8 241 vs 270, mxfp4 187-240 vs 267). Paged mxfp4 caches from 64 Ki tokens (run 15, H200,
+# Flat mxfp4 caches from 512 Ki tokens, fp8 from 256 Ki (bf16 or fp8 Q): below that the 16-row kernel with its
+# bit-placement decode (``fast_decode``) is faster (run 33, H100, same-run A/B on the decoder ring: fp8 32 x 8192 99.7
+# vs 109.5 us, 256 x 1024 94.6 vs 105.1; mxfp4 32 x 8192 107.7 vs 118.0, 64 x 1024 40.3 vs 58.8, 256 x 1024 103.6
+# vs 97.7; the WS kernel at 64 x 8192: fp8 241 vs 270, mxfp4 187-240 vs 267). Paged mxfp4 caches from 64 Ki tokens (run 15, H200,
 # against the 16-row kernel's staged element-wise decode, which paged caches still take); paged fp8 is not timed on
 # the WS kernel. mxfp4: bf16 Q only, no prefetch (faster with it on an H100, slower on an H200, runs 24-25), decoder
 # stores by address with the decodes kept below the free-stage wait (run 34, H100: 217.7 -> 174.4 us at 64 x 8192,
@@ -79,7 +80,7 @@ class WSDefault:
 WS_DEFAULTS = {
     "mxfp4": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=None, paged_min_tokens=64 * 1024, l2_prefetch=0,
                        direct_stores=True, ordered_decode=True),
-    "fp8": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=512 * 1024, paged_min_tokens=None, l2_prefetch=3,
+    "fp8": WSDefault(min_tokens=256 * 1024, fp8_q_min_tokens=256 * 1024, paged_min_tokens=None, l2_prefetch=3,
                      direct_stores=True, ordered_decode=False, fp8_mma=True, p_split=True, q_stack=True,
                      p_stack=True),
 }
@@ -89,6 +90,9 @@ WS_DEFAULTS = {
 # fp8 decoder tunings above (l2_prefetch, direct_stores) are then the opt-out's (``fp8_mma=False``). Both terms of P
 # (and bf16 Q's two terms) in one m64n32 wgmma group each (``p_stack``, ``q_stack``; run 51, H100, 256 x 8192: fp8
 # 518.2 -> 428.0 us, a8w8 427.7 -> 420.1; 64 x 8192: fp8 130.8 against the bench's 148.1 for P split alone).
+# That ring from 256 Ki tokens (run 52, H100, same run against the 16-row kernel: 32 x 8192 fp8 82.2 vs 97.3 us, a8w8
+# 92.0 vs 108.9; 256 x 1024 83.5 vs 94.4, 89.6 vs 109.1); at 64 Ki tokens it ties (64 x 1024 fp8 38.8 vs 38.6) or
+# loses (a8w8 51.3 vs 49.7; 4 x 8192 59.9 vs 31.6: four sequences fill few SMs with one CTA each).
 # Every format: the MMA warp group's softmax with one barrier per tile and its score wgmma waited for once
 # (``fast_softmax``, ``score_group``; run 28, H100: the MMA warp group alone 525 -> 311 us at 256 x 8192).
 WS_CONSUMER = dict(fast_softmax=True, score_group=True)
