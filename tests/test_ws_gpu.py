@@ -16,6 +16,8 @@ import torch
 
 from conftest import requires_gpu
 from helpers import MODES, check_against_reference, launches, poisoned, reference_for
+from mla import schedule
+from mla.constants import MODES as MODE_FORMATS
 from mla.decode import harness_cache, mla_decode
 from mla.inputs import make_ragged_inputs, to_paged
 
@@ -25,6 +27,10 @@ RING_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 1000, 0, 20
 SPLITS = [1, 2, 3, 7, 64]
 TAIL = 5  # poisoned cache rows past the last sequence
 WS = {"ws": True}  # this family, whatever the schedule picks by default
+# Modes whose default ring here is the decoder / copier ring. fp8 caches (a8w8, fp8) default to the fp8 wgmma ring,
+# whose protocol once hung on the GPU (run 47): their cases run under the watchdog below, not here, where a hang
+# would stall the suite.
+RING_MODES = [m for m in MODES if not schedule.ws_ring_defaults(*MODE_FORMATS[m]).get("fp8_mma")]
 
 
 def poison_tail(data):
@@ -49,7 +55,7 @@ def run(data, mode, **kwargs):
 
 @launches(lambda mode, **_: [(mode, 16, 1, False)])
 @pytest.mark.parametrize("num_splits", SPLITS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", RING_MODES)
 def test_ring_boundaries_and_split_counts(mode, num_splits):
     data = poison_tail(make_ragged_inputs(RING_LENGTHS, seed=num_splits, tail_rows=TAIL))
     ref_out, ref_lse = reference_for(mode, data)
@@ -61,7 +67,7 @@ def test_ring_boundaries_and_split_counts(mode, num_splits):
 
 
 @launches(lambda mode, **_: [(mode, 16, 1, False)])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", RING_MODES)
 def test_one_token_splits_and_single_sequences(mode):
     """A split holding one token (65 = 64 + 1 over 2 splits), batch 1, and the default split count."""
     for kv_lens, splits in (([65], 2), ([129, 65, 1], 3), ([1], 5), ([4096], None), ([5] * 300, None)):
@@ -73,7 +79,7 @@ def test_one_token_splits_and_single_sequences(mode):
 
 
 @launches(lambda mode, **_: [(mode, 16, 1, True)])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", RING_MODES)
 def test_query_passes_causal(mode):
     """Several queries in one sequence take several passes over the ring (causal: each its own horizon); the mean
     query length stays <= 1 so the 16-row kernel serves them."""
@@ -87,7 +93,7 @@ def test_query_passes_causal(mode):
 
 @launches(lambda mode, page_size, **_: [(mode, 16, 1, False, page_size)])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", RING_MODES)
 def test_paged_ring(mode, page_size):
     """The producer gathers each row through the page table (shuffled pages, NaN in every unused slot)."""
     data = make_ragged_inputs([1, 65, 0, 500, 193], seed=page_size)
@@ -166,7 +172,10 @@ print("RESULT " + json.dumps(results))
 """
 
 
-@launches(lambda **_: [])  # opt-in kernels: built on first use (or prebuilt by tools/ws_check.py, see above)
+# a8w8 and fp8: their default ring, prebuilt (flat, causal, paged); mxfp4's opt-in kernels are built on first use
+# (or prebuilt by tools/ws_check.py, see above).
+@launches(lambda modes, **_: [(mode, 16, 1, causal, page) for mode in modes.split(",") if mode != "mxfp4"
+                              for causal, page in ((False, 0), (True, 0), (False, 1), (False, 16), (False, 64))])
 @pytest.mark.parametrize("modes", ["a8w8,fp8", "mxfp4"])
 def test_fp8_mma_ring_under_a_watchdog(modes):
     """a8w8, fp8 (bf16 Q) and mxfp4 (its e4m3 decoder, issue 28 step 4) on fp8 wgmma against the fp32 reference:
