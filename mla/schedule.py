@@ -33,14 +33,11 @@ WS_COMBINE_TILES_PER_SPLIT = 0.25
 # (Run 18's fused merge, by the last CTA of each group alone, cost more GPU time than the launch saves.)
 # gfx942 always uses the combine kernel.
 FUSED_COMBINE_ON_CUDA = True
-# CTAs of a fused grid per SM (``fused_fits``): 1, or 2 where two fit at once (128-thread CTAs whose shared memory
-# allows two: registers never bind there, 2 x 128 threads x 255 registers < 64 Ki). Two are slower (run 52, H100,
-# same run): 32 x 1024 and 64 x 1024 as one fused launch of 256 CTAs instead of decode + combine, bf16 31.7 -> 33.8
-# and 47.7 -> 52.9 us, fp8 27.8 -> 32.4 and 38.4 -> 44.6, mxfp4 27.2 -> 31.9 and 38.8 -> 45.6 (a8w8 38.7 -> 37.5 and
-# 49.4 -> 50.8: its amax reduction launch goes); 4 x 8192 at 64 splits fused 38.5-63.3 against 31.2-36.0 at 32. So
-# one per SM; two stay a tuning override (``config_overrides={"fused_ctas_per_sm": 2}``).
-FUSED_CTAS_PER_SM = 1
-REGISTERS_PER_SM = 64 * 1024
+# A fused grid of two CTAs per SM (where both surely fit: 128 threads, shared memory for two) was slower (run 52, H100,
+# same run; the override that tried it, ``fused_ctas_per_sm``, is in commit a90a0fa): 32 x 1024 and 64 x 1024 as one
+# fused launch of 256 CTAs instead of decode + combine, bf16 31.7 -> 33.8 and 47.7 -> 52.9 us, fp8 27.8 -> 32.4 and 38.4
+# -> 44.6, mxfp4 27.2 -> 31.9 and 38.8 -> 45.6 (a8w8 38.7 -> 37.5 and 49.4 -> 50.8: its amax reduction launch goes); 4 x
+# 8192 at 64 splits fused 38.5-63.3 against 31.2-36.0 at 32. So fused grids keep one CTA per SM.
 # The 16/32/64-row kernel's compressed tiles on CUDA: whole 16-code chunks loaded into registers (a flat cache's one
 # tile ahead) and decoded by bit placement (``DecodeKernelConfig.fast_decode``), not one element at a time.
 FAST_DECODE_ON_CUDA = True
@@ -206,17 +203,15 @@ def query_tile(total_q: int, batch: int) -> int:
     return 1 if total_q <= batch else (2 if total_q <= 2 * batch else 4)
 
 
-def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int, total_kv: int,
-                       fused_per_sm: int = FUSED_CTAS_PER_SM) -> int:
+def default_num_splits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int, total_kv: int) -> int:
     """``choose_num_splits`` with the occupancy of ``cfg`` on ``spec`` and the merge it has (the combine kernel, or
     the fused merge): what the op uses when not told."""
     merge = {}
     occupancy = ctas_per_sm(spec, cfg)
-    if cfg.fused_combine:  # forced (tuning): a grid resident at once (``fused_fits``)
-        occupancy = fused_ctas_per_sm(spec, cfg, fused_per_sm)
-        slots = spec.num_sms * occupancy
+    if cfg.fused_combine:  # forced (tuning): one CTA per SM at most (``fused_fits``)
+        occupancy = 1
         merge = dict(combine_overhead=WS_COMBINE_OVERHEAD_TILES, combine_per_split=WS_COMBINE_TILES_PER_SPLIT,
-                     max_splits=max(1, min(MAX_SPLITS, slots // max(1, batch * (cfg.num_heads // cfg.block_h)))))
+                     max_splits=max(1, min(MAX_SPLITS, spec.num_sms // max(1, batch * (cfg.num_heads // cfg.block_h)))))
     return choose_num_splits(
         batch=batch,
         total_kv=total_kv,
@@ -341,7 +336,6 @@ def select_kernels(
     splits themselves (the warp-specialised one, Hopper's ``fused_combine`` decode kernel, the 64-row family) come
     with no combine config whatever the count. ``overrides``: tuning only."""
     q_tile = query_tile(total_q, batch)
-    fused_per_sm = overrides.pop("fused_ctas_per_sm", FUSED_CTAS_PER_SM)
     # 64+ query rows per sequence on Hopper: the 64-row family (see "64-row class" below; opt-in while unmeasured).
     rows = overrides.pop("rows", ROWS_BY_DEFAULT and not overrides)
     if rows and uses_rows(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, batch=batch,
@@ -370,11 +364,10 @@ def select_kernels(
                    causal=causal, page_size=page_size, **overrides)
     split_cfg = decode_config(spec, split=True, **problem)
     if num_splits is None:
-        num_splits = default_num_splits(spec, split_cfg, batch=batch, total_kv=total_kv, fused_per_sm=fused_per_sm)
-    fits = fused_fits(spec, split_cfg, batch=batch, num_splits=num_splits, per_sm=fused_per_sm)
+        num_splits = default_num_splits(spec, split_cfg, batch=batch, total_kv=total_kv)
+    fits = fused_fits(spec, split_cfg, batch=batch, num_splits=num_splits)
     if split_cfg.fused_combine and not fits:
-        resident = spec.num_sms * fused_ctas_per_sm(spec, split_cfg, fused_per_sm)
-        raise ValueError(f"config_overrides: fused_combine needs a grid of at most {resident} CTAs (all resident; "
+        raise ValueError(f"config_overrides: fused_combine needs a grid of at most {spec.num_sms} CTAs (one per SM; "
                          f"the launch is cooperative), got batch {batch} x {split_cfg.num_heads // split_cfg.block_h} "
                          f"head groups x {num_splits} splits")
     if "fused_combine" not in overrides and FUSED_COMBINE_ON_CUDA and num_splits > 1 and fits:
@@ -386,20 +379,11 @@ def select_kernels(
     return split_cfg, combine_config(spec, num_heads=num_heads), num_splits
 
 
-def fused_fits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int, num_splits: int,
-               per_sm: int = FUSED_CTAS_PER_SM) -> bool:
+def fused_fits(spec: TargetSpec, cfg: DecodeKernelConfig, *, batch: int, num_splits: int) -> bool:
     """Whether the fused-merge decode kernel (``fused_combine``) may run this grid: a CUDA target (its grid-wide
-    barrier is a cooperative launch there) and every CTA resident at once: at most ``fused_ctas_per_sm`` per SM."""
-    ctas = batch * (cfg.num_heads // cfg.block_h) * num_splits
-    return can_fuse(spec, cfg) and ctas <= spec.num_sms * fused_ctas_per_sm(spec, cfg, per_sm)
-
-
-def fused_ctas_per_sm(spec: TargetSpec, cfg: DecodeKernelConfig, per_sm: int = FUSED_CTAS_PER_SM) -> int:
-    """CTAs per SM a fused grid may count on: ``per_sm`` (1 or 2), bounded by what surely fits at once: shared
-    memory (``ctas_per_sm``) and registers at their worst (255 per thread, allocated as 256)."""
-    if per_sm not in (1, 2):
-        raise ValueError(f"config_overrides: fused_ctas_per_sm must be 1 or 2, got {per_sm!r}")
-    return max(1, min(per_sm, ctas_per_sm(spec, cfg), REGISTERS_PER_SM // (cfg.threads * 256)))
+    barrier is a cooperative launch there) and at most one CTA per SM, so every CTA is resident whatever else the
+    kernel's registers and shared memory allow."""
+    return can_fuse(spec, cfg) and batch * (cfg.num_heads // cfg.block_h) * num_splits <= spec.num_sms
 
 
 def can_fuse(spec: TargetSpec, cfg: DecodeKernelConfig) -> bool:

@@ -116,29 +116,6 @@ def test_a_forced_fused_merge_splits_within_the_gpu_and_refuses_what_cannot_fit(
     assert not cfg.fused_combine and combine is not None
 
 
-
-@pytest.mark.parametrize("batch,kv_len,num_splits", [(32, 1024, None), (64, 1024, None), (4, 8192, 64)])
-def test_two_fused_ctas_per_sm_fuse_grids_up_to_twice_the_sms(batch, kv_len, num_splits):
-    """``fused_ctas_per_sm=2`` (tuning): a 128-thread CTA whose shared memory allows two per SM fuses grids of up to
-    2 x num_sms CTAs (registers never bind: 2 x 128 x 256 = 64 Ki); the default keeps one per SM."""
-    cfg, combine, n = select(H200, batch, kv_len, num_splits=num_splits, fused_ctas_per_sm=2)
-    assert cfg.threads == 128 and schedule.ctas_per_sm(H200, cfg) >= 2
-    assert H200.num_sms < grid(cfg, batch, n) <= 2 * H200.num_sms
-    assert cfg.fused_combine and combine is None
-    cfg, combine, _ = select(H200, batch, kv_len, num_splits=num_splits)
-    assert not cfg.fused_combine and combine is not None
-
-
-def test_two_fused_ctas_per_sm_never_exceed_what_fits():
-    """Registers at their worst bound a 256-thread CTA to one per SM; a grid past 2 x num_sms is refused by name."""
-    wide = schedule.decode_config(H200, kv_format="bf16", num_heads=64, q_tile=4, fused_combine=True)
-    assert wide.threads == 256 and schedule.fused_ctas_per_sm(H200, wide, 2) == 1
-    with pytest.raises(ValueError, match="fused_combine.*264 CTAs"):
-        select(H200, 10, 1024, num_splits=27, fused_combine=True, fused_ctas_per_sm=2)
-    with pytest.raises(ValueError, match="fused_ctas_per_sm must be 1 or 2"):
-        select(H200, 4, 1024, fused_ctas_per_sm=3)
-
-
 def test_only_the_one_launch_paged_kernel_has_a_flashmla_shaped_form():
     """``flash_io_variant``: the block-level paged kernel with the merge fused gets FlashMLA's argument shapes (the
     call where host time shows); flat caches, the two-kernel form, gfx942's wave program and the other families

@@ -32,7 +32,6 @@ from mla_bench.cases import uniform_case  # noqa: E402
 from mla_bench.timing import FLUSH_BYTES, time_call_us  # noqa: E402
 
 
-
 def profile_call(fn, calls: int) -> None:
     """Each kernel's mean GPU time per call (torch.profiler's device events) beside the median event time of the
     whole call (as bench.py times it: L2 flushed before each call); the gap is launch gaps and host waits."""
@@ -40,6 +39,10 @@ def profile_call(fn, calls: int) -> None:
 
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     event_us = sorted(time_call_us(fn, reps=calls, warmup=2, flush=flush))
+    with profile(activities=[ProfilerActivity.CUDA]) as flush_prof:  # the flush's own kernels, to leave out
+        flush.zero_()
+        torch.cuda.synchronize()
+    flush_kernels = {evt.name for evt in flush_prof.events() if evt.device_type.name == "CUDA"}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             flush.zero_()
@@ -47,14 +50,12 @@ def profile_call(fn, calls: int) -> None:
             torch.cuda.synchronize()
     kernels = {}
     for evt in prof.events():
-        if evt.device_type.name == "CUDA":
-            # the flush is a fill of FLUSH_BYTES (>= 50 us on any HBM3 card); the op's own fills are small
-            flushing = "fill" in evt.name.lower() and evt.device_time > 20
-            kernels.setdefault(("(L2 flush) " if flushing else "") + evt.name, []).append(evt.device_time)
+        if evt.device_type.name == "CUDA" and evt.name not in flush_kernels:
+            kernels.setdefault(evt.name, []).append(evt.device_time)
     total_us = 0.0
     for name, times_us in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
         per_call_us = sum(times_us) / calls
-        total_us += 0.0 if name.startswith("(L2 flush)") else per_call_us
+        total_us += per_call_us
         print(f"  {per_call_us:8.2f} us/call  x{len(times_us) / calls:.1f}  {name[:110]}")
     print(f"  {total_us:8.2f} us/call in kernels; the call's event time: median {event_us[len(event_us) // 2]:.2f} us"
           f" (min {event_us[0]:.2f})")

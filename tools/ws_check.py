@@ -27,6 +27,7 @@ from mla.constants import MODES  # noqa: E402
 from mla.harness import run_harness  # noqa: E402
 from mla.inputs import make_harness_inputs, make_ragged_inputs  # noqa: E402
 from mla.target import spec_for_name  # noqa: E402
+from mla_bench.timing import spin_up  # noqa: E402
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests"))
 from helpers import REL_L2, check_against_reference, per_sequence_rel_l2  # noqa: E402  (the tests' gate, once)
@@ -189,8 +190,6 @@ def bytes_per_token(mode):
 def timing(spec, args) -> list[dict]:
     rows = []
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device="cuda")
-    from mla_bench.timing import spin_up
-
     spin_up()  # the first variant timed must not pay for the clocks' ramp (run 51)
     for batch, kv_len in parse_shapes(args.shapes):
         data = make_harness_inputs(batch, kv_len, seed=1)
