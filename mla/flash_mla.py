@@ -56,6 +56,7 @@ from mla.launch import Launch
 from mla.plan import DecodePlan, plan
 from mla.target import spec_for_device
 from mla.validate import FP8_DTYPES
+from tl_kernels.mla_amax import AMAX_CTAS
 from tl_kernels.mla_schedule import SplitScheduleConfig
 
 __all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "MLAMetadata"]
@@ -612,7 +613,7 @@ class _GraphRun:
     __slots__ = ("decode", "combine", "schedule", "model", "max_splits", "own_splits", "fresh", "in_capture",
                  "out_shape", "lse_shape", "device", "on_cuda", "o_numel", "lse_numel", "scratch_numel",
                  "block_scales", "block_scale_len", "block_scale_as_uint8", "scale_stride", "q_mode", "q_scale",
-                 "reshape_q_scale", "kv_scale", "reshape_kv_scale", "kv_as_uint8", "dummy")
+                 "reshape_q_scale", "kv_scale", "reshape_kv_scale", "kv_as_uint8", "dummy", "amax", "q_rows_shape")
 
     def __init__(self, call, cfg, batch: int, s_q: int, h_q: int):
         spec, device = call.spec, call.device
@@ -623,16 +624,21 @@ class _GraphRun:
                                                                        max_splits=self.max_splits), spec)
                         if self.max_splits > 1 else None)
         self.schedule = jit.get_launcher(SplitScheduleConfig(), spec)
+        # a8w8 from bf16 Q: amax(|q|) by our kernel where the target has it (``schedule.amax_config``), else torch's
+        amax_cfg = schedule.amax_config(spec, num_heads=h_q) if call.kernel_q_format == "fp8" else None
+        self.amax = None if amax_cfg is None else jit.get_launcher(amax_cfg, spec)
+        self.q_rows_shape = (batch * s_q, h_q, QK_DIM)
         self.own_splits = torch.zeros(batch + 1, dtype=torch.int32, device=device)
         self.fresh, self.in_capture = True, False
         self.out_shape, self.lse_shape = (batch, s_q, h_q, KV_LORA_RANK), (batch, h_q, s_q)
         self.device, self.on_cuda = device, device.type == "cuda"
-        # Workspace (float32): the flat partials, then amax(|q|) for a8w8 from bf16 Q; each part 256 B aligned.
+        # Workspace (float32): the flat partials, then amax(|q|) for a8w8 from bf16 Q and the amax kernel's partials
+        # (int32); each part 256 B aligned.
         rows = batch * s_q * h_q
         self.o_numel = self.max_splits * rows * KV_LORA_RANK if self.max_splits > 1 else 0
         self.lse_numel = self.max_splits * rows if self.max_splits > 1 else 0
         self.q_mode = call.kernel_q_format
-        self.scratch_numel = _aligned(self.o_numel) + _aligned(self.lse_numel) + 1
+        self.scratch_numel = _aligned(self.o_numel) + _aligned(self.lse_numel) + 1 + AMAX_CTAS
         self.dummy = workspace.dummy_fp32(device)
         self.block_scales = None if call.block_scale_len else workspace.no_block_scales(device)
         self.block_scale_len, self.block_scale_as_uint8 = call.block_scale_len, call.block_scale_as_uint8
@@ -644,8 +650,8 @@ class _GraphRun:
         self.kv_as_uint8 = call.kv_as_uint8
 
     def _workspace(self):
-        """(o_partial, lse_partial, amax (0-d), amax as (1,)): views of the stream's scratch when eager, of an
-        allocation that belongs to the graph inside capture."""
+        """(o_partial, lse_partial, amax (0-d), amax as (1,), the amax kernel's partials): views of the stream's
+        scratch when eager, of an allocation that belongs to the graph inside capture."""
         found = workspace.scratch(self.device, self.scratch_numel)
         if found is not None:
             views = found.views.get(self)
@@ -662,13 +668,14 @@ class _GraphRun:
             o_partial, lse_partial = buf.narrow(0, 0, self.o_numel), buf.narrow(0, lse_at, self.lse_numel)
         else:  # every sequence runs one split, which writes the output itself
             o_partial = lse_partial = self.dummy
-        return o_partial, lse_partial, buf.as_strided((), (), amax_at), buf.narrow(0, amax_at, 1)
+        partials = buf.narrow(0, amax_at + 1, AMAX_CTAS).view(torch.int32)
+        return o_partial, lse_partial, buf.as_strided((), (), amax_at), buf.narrow(0, amax_at, 1), partials
 
     def __call__(self, q, k_cache, block_table, cache_seqlens, descale_q, descale_k, kv_block_scale, sm_scale,
                  num_splits):
         out = torch.empty(*self.out_shape, dtype=_BF16, device=self.device)
         lse = torch.empty(*self.lse_shape, dtype=_FP32, device=self.device)
-        o_partial, lse_partial, amax, amax_arg = self._workspace()
+        o_partial, lse_partial, amax, amax_arg, amax_partials = self._workspace()
         if num_splits is None:
             num_splits = self.own_splits
             capturing = self.on_cuda and torch._C._cuda_isCurrentStreamCapturing()
@@ -678,7 +685,10 @@ class _GraphRun:
             self.in_capture = capturing
         q_scale = self.q_scale
         if self.q_mode == "fp8":  # a8w8 from bf16 Q: amax(|q|) on the device (see mla.launch), the kernel rounds Q
-            torch.linalg.vector_norm(q, ord=_INF, dtype=_FP32, out=amax)
+            if self.amax is not None:  # its ticket: the stream's zeroed cell (inside capture, the graph's own)
+                self.amax(q.view(*self.q_rows_shape), amax_arg, amax_partials, workspace.amax_cell(self.device))
+            else:
+                torch.linalg.vector_norm(q, ord=_INF, dtype=_FP32, out=amax)
             q_scale = amax_arg
         block_scales, q_scale, kv_scale = _scale_operands(self, kv_block_scale, descale_q, descale_k, q_scale)
         if self.kv_as_uint8:

@@ -14,6 +14,7 @@ import tempfile
 import time
 
 from mla.target import TargetSpec
+from tl_kernels.mla_amax import AmaxKernelConfig, mla_amax_kernel
 from tl_kernels.mla_combine import CombineKernelConfig, mla_combine_kernel
 from tl_kernels.mla_decode import DecodeKernelConfig, mla_decode_kernel
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig, mla_decode_ws_kernel
@@ -42,6 +43,8 @@ def prim_func(cfg: DecodeKernelConfig | WSDecodeKernelConfig | CombineKernelConf
         return mla_combine_kernel(cfg)
     if isinstance(cfg, SplitScheduleConfig):
         return mla_split_schedule_kernel(cfg)
+    if isinstance(cfg, AmaxKernelConfig):
+        return mla_amax_kernel(cfg)
     raise TypeError(f"not a kernel config: {type(cfg).__name__}")
 
 

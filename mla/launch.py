@@ -32,6 +32,7 @@ from mla import jit, schedule, workspace
 from mla.constants import DEFAULT_SM_SCALE, KV_LORA_RANK
 from mla.target import TARGET_ENV
 from mla.validate import CallSpec, KVFormat, QFormat, check_call, check_sm_scale, validate_index_values
+from tl_kernels.mla_amax import AMAX_CTAS
 
 _BF16, _FP32, _UINT8 = torch.bfloat16, torch.float32, torch.uint8
 _INF = math.inf
@@ -46,6 +47,7 @@ class Kernels(NamedTuple):
     combine: object
     num_splits: int
     fused: bool
+    amax: object = None  # a8w8 whose decode kernel reads amax(|q|): our reduction's launcher (None: torch's)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -58,14 +60,19 @@ def kernels(spec, kv_format, q_format, num_heads, causal, page_size, batch, tota
     )
     fused = bool(getattr(decode_cfg, "fused_combine", False))
     combine = None if combine_cfg is None or fused else jit.get_launcher(combine_cfg, spec)
-    return Kernels(decode_cfg, jit.get_launcher(decode_cfg, spec), combine, num_splits, fused)
+    amax = None
+    if q_format == "fp8" and not getattr(decode_cfg, "amax_in_kernel", False):
+        amax_cfg = schedule.amax_config(spec, num_heads=num_heads)
+        amax = None if amax_cfg is None else jit.get_launcher(amax_cfg, spec)
+    return Kernels(decode_cfg, jit.get_launcher(decode_cfg, spec), combine, num_splits, fused, amax)
 
 
 class Workspace(NamedTuple):
     """The buffers a launch writes besides the output: the split partials (shaped for the two-kernel form, flat
     for the fused one; None without splits), an LSE for runs that return none, semaphores (None unless fused) and,
     for a8w8 from bf16 Q, amax(|q|) as the reduction writes it (0-d) and as the kernel reads it ((1,), same
-    memory), and the zeroed (1,) cell of the kernels that reduce it themselves (a plan's; the eager call's is
+    memory), the amax kernel's per-CTA partials (int32), and the zeroed (1,) cell of the kernels that reduce it
+    themselves, which the amax kernel takes as its ticket (both leave it zero; a plan's; the eager call's is
     ``workspace.amax_cell``). A plan owns one (``DecodePlan``); an eager call takes views of its stream's scratch
     (``Launch.eager_workspace``)."""
 
@@ -78,6 +85,7 @@ class Workspace(NamedTuple):
     q_amax: torch.Tensor | None = None
     q_amax_arg: torch.Tensor | None = None
     amax_cell: torch.Tensor | None = None
+    amax_partials: torch.Tensor | None = None
 
 
 class Launch:
@@ -87,7 +95,7 @@ class Launch:
 
     __slots__ = ("device", "spec", "decode_cfg", "forced_target", "cache_rows", "total_q", "page_size", "decode", "combine", "num_splits",
                  "fused", "semaphore_count", "dummy_partials", "out_shape", "lse_shape", "scratch_numel",
-                 "o_partial_view", "lse_partial_view", "unread_lse_offset", "amax_offset",
+                 "o_partial_view", "lse_partial_view", "unread_lse_offset", "amax_offset", "amax",
                  "kv_rows_shape", "kv_as_uint8", "amax_in_kernel", "block_scale_len", "block_scale_as_uint8",
                  "block_scales", "scale_stride", "q_mode", "q_scale", "reshape_q_scale", "kv_scale", "reshape_kv_scale", "paged")
 
@@ -100,13 +108,14 @@ class Launch:
         self.out_shape = (call.total_q, call.num_heads, KV_LORA_RANK)
         self.lse_shape = (call.total_q, call.num_heads)
         self.spec, self.decode_cfg = call.spec, None
-        self.decode = self.combine = None
+        self.decode = self.combine = self.amax = None
         self.num_splits, self.fused, self.semaphore_count, self.amax_in_kernel = 1, False, 0, False
         if call.total_q and call.batch:  # else nothing to launch: the outputs are empty
             k = kernels(call.spec, call.kv_format, call.kernel_q_format, call.num_heads, causal, call.page_size,
                         call.batch, call.total_q, total_kv, num_splits, overrides)
             self.decode, self.combine, self.num_splits, self.fused = k.decode, k.combine, k.num_splits, k.fused
             self.decode_cfg = k.decode_cfg
+            self.amax = k.amax
             # a8w8 with the merge fused: the kernel reduces amax(|q|) itself, into a zeroed cell (no reduction launch)
             self.amax_in_kernel = bool(getattr(k.decode_cfg, "amax_in_kernel", False))
             if k.fused:
@@ -134,8 +143,10 @@ class Launch:
             self.o_partial_view = (o_shape, _contiguous_strides(o_shape), 0)
             self.lse_partial_view = (lse_partial_shape, _contiguous_strides(lse_partial_shape), _aligned(o_numel))
             self.unread_lse_offset = _aligned(o_numel) + _aligned(lse_partial_numel)
+        # a8w8: amax(|q|), then the amax kernel's partials (int32 in the float32 scratch)
         self.amax_offset = self.unread_lse_offset + _aligned(rows) if self.q_mode == "fp8" else None
-        self.scratch_numel = self.unread_lse_offset + _aligned(rows) + (1 if self.q_mode == "fp8" else 0)
+        amax_numel = 1 + AMAX_CTAS if self.q_mode == "fp8" else 0
+        self.scratch_numel = self.unread_lse_offset + _aligned(rows) + amax_numel
         self.kv_rows_shape = (call.cache_rows, call.row)
         self.kv_as_uint8 = call.kv_as_uint8
         self.block_scale_len, self.block_scale_as_uint8 = call.block_scale_len, call.block_scale_as_uint8
@@ -166,7 +177,7 @@ class Launch:
         return views
 
     def _views(self, buf: torch.Tensor) -> Workspace:
-        o_partial = lse_partial = o_flat = lse_flat = amax = amax_arg = None
+        o_partial = lse_partial = o_flat = lse_flat = amax = amax_arg = partials = None
         if self.o_partial_view is not None:
             o_partial, lse_partial = buf.as_strided(*self.o_partial_view), buf.as_strided(*self.lse_partial_view)
             if self.fused:
@@ -174,7 +185,8 @@ class Launch:
         lse = buf.as_strided(self.lse_shape, (self.lse_shape[1], 1), self.unread_lse_offset)
         if self.amax_offset is not None:
             amax, amax_arg = buf.as_strided((), (), self.amax_offset), buf.as_strided((1,), (1,), self.amax_offset)
-        return Workspace(o_partial, lse_partial, o_flat, lse_flat, lse, None, amax, amax_arg)
+            partials = buf.as_strided((AMAX_CTAS,), (1,), self.amax_offset + 1).view(torch.int32)
+        return Workspace(o_partial, lse_partial, o_flat, lse_flat, lse, None, amax, amax_arg, None, partials)
 
     def run(self, q, kv_cache, qo_indptr, kv_indptr, page_table, kv_scale, kv_block_scale, q_scale, sm_scale, out,
             lse, return_lse, ws: Workspace | None = None):
@@ -205,12 +217,18 @@ class Launch:
         elif q_mode == "fp8":
             # a8w8: amax(|q|), one reduction on the device (no host sync), written into the workspace; the kernel
             # rounds Q with it. Only the fused-merge kernels reduce it themselves (above: they have a grid barrier;
-            # without one every CTA would need the amax over all of Q before its first score). Why this
-            # reduction (tools/host_cost.py --a8w8 measures the ways, host and GPU): vector_norm(ord=inf,
-            # dtype=fp32) is ONE reduction kernel that reads bf16 and writes the fp32 amax (|x| and the max are
-            # exact, so it equals q.abs().amax().float() bit for bit, NaN included), where q.abs().amax().float()
-            # is three launches and two allocations; out= drops the output allocation and the (1,) reshape.
-            torch.linalg.vector_norm(q, ord=_INF, dtype=_FP32, out=ws.q_amax)
+            # without one every CTA would need the amax over all of Q before its first score). On CUDA the
+            # reduction is ours (``tl_kernels.mla_amax``: one launch, its CTAs counted in the zeroed amax cell,
+            # which it leaves zero). Elsewhere torch's (tools/host_cost.py --a8w8 measures the ways, host and GPU):
+            # vector_norm(ord=inf, dtype=fp32) is ONE reduction kernel that reads bf16 and writes the fp32 amax (|x|
+            # and the max are exact, so it equals q.abs().amax().float() bit for bit, NaN included), where
+            # q.abs().amax().float() is three launches and two allocations; out= drops the output allocation and
+            # the (1,) reshape.
+            if self.amax is not None:
+                ticket = workspace.amax_cell(self.device) if eager else ws.amax_cell
+                self.amax(q, ws.q_amax_arg, ws.amax_partials, ticket)
+            else:
+                torch.linalg.vector_norm(q, ord=_INF, dtype=_FP32, out=ws.q_amax)
             q_scale = ws.q_amax_arg
         elif self.reshape_q_scale:
             q_scale = q_scale.reshape(1)

@@ -27,6 +27,7 @@ from mla.constants import DEFAULT_SM_SCALE, KV_LORA_RANK
 from mla.launch import Launch, Workspace, kernels
 from mla.target import spec_for_device
 from mla.validate import SUPPORTED_HEADS, SUPPORTED_PAGE_SIZES, KVFormat, QFormat, host_offsets
+from tl_kernels.mla_amax import AMAX_CTAS
 
 MAX_SIGNATURES = 64  # per plan: run signatures kept (a plan normally sees one per cache format)
 
@@ -73,14 +74,16 @@ class DecodePlan:
             o_partial, lse_partial = o_flat.view(*shape, KV_LORA_RANK), lse_flat.view(shape)
         unread_lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=device)
         semaphores = self._semaphores() if with_semaphores else None
-        q_amax = q_amax_arg = amax_cell = None
+        q_amax = q_amax_arg = amax_cell = amax_partials = None
         if q_format == "fp8":  # a8w8 from bf16 Q: amax(|q|), written by each run's reduction, read by its kernel;
-            # or, where the kernel reduces it itself, accumulated in a zeroed cell that it leaves zero
+            # or, where the kernel reduces it itself, accumulated in a zeroed cell that it leaves zero (the amax
+            # kernel's ticket otherwise, which it leaves zero too; its per-CTA partials are written before read)
             q_amax_arg = torch.empty(1, dtype=torch.float32, device=device)
             q_amax = q_amax_arg.view(())
             amax_cell = workspace.zeroed_float32(device, 1)
+            amax_partials = torch.empty(AMAX_CTAS, dtype=torch.int32, device=device)
         self._ws = Workspace(o_partial, lse_partial, o_flat, lse_flat, unread_lse, semaphores, q_amax, q_amax_arg,
-                             amax_cell)
+                             amax_cell, amax_partials)
 
     @property
     def _o_partial(self):

@@ -10,6 +10,7 @@ import math
 
 from mla import constants
 from mla.target import TargetSpec
+from tl_kernels.mla_amax import AmaxKernelConfig
 from tl_kernels.mla_combine import CombineKernelConfig
 from tl_kernels.mla_decode import DIM_SPLIT_SHAPE, DecodeKernelConfig
 from tl_kernels.mla_decode_ws import WSDecodeKernelConfig
@@ -396,6 +397,19 @@ def combine_config(spec: TargetSpec, *, num_heads: int = 16) -> CombineKernelCon
     return CombineKernelConfig(num_heads=num_heads, threads=128)
 
 
+# a8w8 from bf16 Q where the decode kernel does not reduce amax(|q|) itself (``amax_in_kernel``: the fused grids):
+# our own one-launch reduction (``tl_kernels.mla_amax``) on CUDA instead of torch's, which took 6.9 us of GPU time
+# at 32 x 1024 (run 52, H100). gfx942 keeps torch's reduction (nothing here can time either there).
+AMAX_KERNEL_ON_CUDA = True
+
+
+def amax_config(spec: TargetSpec, *, num_heads: int = 16) -> AmaxKernelConfig | None:
+    """The amax kernel a8w8 launches before a decode kernel that reads amax(|q|) (None: torch's reduction)."""
+    if spec.is_hip or not AMAX_KERNEL_ON_CUDA:
+        return None
+    return AmaxKernelConfig(num_heads=num_heads)
+
+
 def ctas_per_sm(spec: TargetSpec, cfg: DecodeKernelConfig | WSDecodeKernelConfig) -> int:
     """How many decode CTAs fit on one SM / CU at once (shared memory is the binding limit)."""
     return max(1, min(spec.smem_bytes // max(cfg.shared_bytes, 1), 2048 // cfg.threads, 8))
@@ -441,13 +455,15 @@ def decode_variants(spec: TargetSpec, *, kv_format: str, q_format: str, num_head
                     page_size: int = 0) -> list:
     """The 16/32/64-row family's kernels ``select_kernels`` may pick for one problem class: the split and the
     direct decode kernels and the combine kernel, and on CUDA (``FUSED_COMBINE_ON_CUDA``) the decode kernel with its
-    merge fused, for grids that fit the GPU at once."""
+    merge fused, for grids that fit the GPU at once; for a8w8 on CUDA the amax kernel (``amax_config``)."""
     problem = dict(kv_format=kv_format, q_format=q_format, num_heads=num_heads, q_tile=q_tile, causal=causal,
                    page_size=page_size)
     split_cfg = decode_config(spec, split=True, **problem)
     variants = [split_cfg, decode_config(spec, split=False, **problem), combine_config(spec, num_heads=num_heads)]
     if FUSED_COMBINE_ON_CUDA and can_fuse(spec, split_cfg):
         variants.append(dataclasses.replace(split_cfg, fused_combine=True))
+    if q_format == "fp8" and amax_config(spec, num_heads=num_heads) is not None:
+        variants.append(amax_config(spec, num_heads=num_heads))
     return variants
 
 

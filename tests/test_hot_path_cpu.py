@@ -155,7 +155,41 @@ def test_eager_buffers_are_views_of_the_stream_scratch(no_kernels, two_kernel_fo
     assert bigger.buffer.dtype == torch.float32 and bigger.buffer.numel() % workspace.SCRATCH_GRANULE == 0
 
 
-def test_a8w8_reduces_q_once_per_call(monkeypatch, no_kernels):
+@pytest.mark.parametrize("entry", ["eager", "plan"])
+def test_a8w8_reduces_q_once_per_call_in_its_own_kernel(monkeypatch, no_kernels, entry):
+    """Where the decode kernel reads amax(|q|) (no fused merge): one launch of the amax kernel per call, before the
+    decode, into the amax that the decode takes as q_scale; its partials and its ticket (the zeroed amax cell, the
+    stream's or the plan's) the same buffers every call; no torch reduction."""
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: pytest.fail("torch's reduction on CUDA"))
+    q, kv, qo, kvp = flat_inputs([10, 20])
+    kv8, scale = kv.to(torch.float8_e4m3fn), torch.ones(1)
+    if entry == "eager":
+        for _ in range(3):
+            mla_decode(q, kv8, qo, kvp, kv_scale=scale, q_format="fp8", num_splits=1)
+        cell = workspace.amax_cell(torch.device("cpu"))
+    else:
+        p = plan(qo, kvp, num_heads=16, kv_format="fp8", q_format="fp8", num_splits=1, device="cpu")
+        for _ in range(3):
+            p.run(q, kv8, kv_scale=scale)
+        cell = p._ws.amax_cell
+    calls = {r.name: r.calls for r in no_kernels.values() if r.calls}
+    (amax_name,) = [name for name in calls if name.startswith("mla_amax_")]
+    (decode_name,) = [name for name in calls if name.startswith("mla_decode_")]
+    assert len(calls[amax_name]) == 3 and len(calls[decode_name]) == 3
+    for amax_args, decode_args in zip(calls[amax_name], calls[decode_name]):
+        q_arg, amax, partials, ticket = amax_args
+        assert q_arg is q and ticket is cell and decode_args[4] is amax, "amax -> the decode's q_scale"
+        assert amax.shape == (1,) and amax.dtype == torch.float32
+        assert partials.shape == (mla.launch.AMAX_CTAS,) and partials.dtype == torch.int32
+    assert len({id(a[1]) for a in calls[amax_name]}) == 1 and len({id(a[2]) for a in calls[amax_name]}) == 1
+    mla_decode(q, kv8, qo, kvp, kv_scale=scale, num_splits=1)  # bf16 Q: no reduction
+    assert len(calls[amax_name]) == 3
+
+
+def test_a8w8_without_the_amax_kernel_reduces_q_by_torch(monkeypatch, no_kernels):
+    """``schedule.amax_config`` None (gfx942, or the kernel turned off): torch's one reduction per call, written
+    where the decode reads q_scale; the value is amax(|q|)."""
+    monkeypatch.setattr(mla.launch.schedule, "AMAX_KERNEL_ON_CUDA", False)
     norms = []
     real = torch.linalg.vector_norm
 
@@ -167,7 +201,7 @@ def test_a8w8_reduces_q_once_per_call(monkeypatch, no_kernels):
     q, kv, qo, kvp = flat_inputs([10, 20])
     kv8, scale = kv.to(torch.float8_e4m3fn), torch.ones(1)
     for _ in range(3):
-        mla_decode(q, kv8, qo, kvp, kv_scale=scale, q_format="fp8")
+        mla_decode(q, kv8, qo, kvp, kv_scale=scale, q_format="fp8", num_splits=1)
     assert len(norms) == 3
     (decode_args,) = {r.name: r.calls for r in no_kernels.values() if r.calls}.values()
     assert torch.equal(decode_args[-1][4], q.abs().amax().float().reshape(1)), "q_scale argument = amax(|q|)"

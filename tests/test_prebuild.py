@@ -104,6 +104,8 @@ def selected(spec, mode, heads, page, q_len, causal, *, flash=False):
             picked.add(combine.name)
         if flash and schedule.flash_io_variant(decode) is not None:
             picked.add(schedule.flash_io_variant(decode).name)
+    if q_format == "fp8" and schedule.amax_config(spec, num_heads=heads) is not None:
+        picked.add(schedule.amax_config(spec, num_heads=heads).name)  # a8w8's reduction (the grid has unfused calls)
     graph = schedule.graph_config(spec, kv_format=kv_format, q_format=q_format, num_heads=heads,
                                   q_tile=schedule.query_tile(q_len, 1), causal=causal, page_size=page)
     if flash and graph is not None:  # the graph form (CUDA-graph capture, metadata made from lengths)
