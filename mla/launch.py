@@ -53,15 +53,18 @@ class Kernels(NamedTuple):
 @functools.lru_cache(maxsize=4096)
 def kernels(spec, kv_format, q_format, num_heads, causal, page_size, batch, total_q, total_kv, num_splits,
             overrides) -> Kernels:
-    """``schedule.select_kernels`` for a problem, compiled (or loaded) now; cached, as serving repeats sizes."""
+    """``schedule.select_kernels`` for a problem, compiled (or loaded) now; cached, as serving repeats sizes.
+    ``overrides`` may also hold ``amax_kernel`` (tuning: False gives a8w8 torch's amax reduction back)."""
+    overrides = dict(overrides)
+    amax_kernel = overrides.pop("amax_kernel", True)
     decode_cfg, combine_cfg, num_splits = schedule.select_kernels(
         spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal, page_size=page_size,
-        batch=batch, total_q=total_q, total_kv=total_kv, num_splits=num_splits, **dict(overrides),
+        batch=batch, total_q=total_q, total_kv=total_kv, num_splits=num_splits, **overrides,
     )
     fused = bool(getattr(decode_cfg, "fused_combine", False))
     combine = None if combine_cfg is None or fused else jit.get_launcher(combine_cfg, spec)
     amax = None
-    if q_format == "fp8" and not getattr(decode_cfg, "amax_in_kernel", False):
+    if q_format == "fp8" and amax_kernel and not getattr(decode_cfg, "amax_in_kernel", False):
         amax_cfg = schedule.amax_config(spec, num_heads=num_heads)
         amax = None if amax_cfg is None else jit.get_launcher(amax_cfg, spec)
     return Kernels(decode_cfg, jit.get_launcher(decode_cfg, spec), combine, num_splits, fused, amax)

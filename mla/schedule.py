@@ -337,6 +337,7 @@ def select_kernels(
     splits themselves (the warp-specialised one, Hopper's ``fused_combine`` decode kernel, the 64-row family) come
     with no combine config whatever the count. ``overrides``: tuning only."""
     q_tile = query_tile(total_q, batch)
+    overrides.pop("amax_kernel", None)  # a8w8's reduction, not a decode kernel's field (``launch.kernels`` reads it)
     # 64+ query rows per sequence on Hopper: the 64-row family (see "64-row class" below; opt-in while unmeasured).
     rows = overrides.pop("rows", ROWS_BY_DEFAULT and not overrides)
     if rows and uses_rows(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, batch=batch,

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from mla import prebuild, target
+from mla import prebuild, schedule, target
+from mla.constants import MODES as MODE_FORMATS
 from mla_bench import peers as peer_lib
-from mla_bench.cases import Case, at_point, grid_points, selected_kernels, uniform_case
+from mla_bench.cases import Case, at_point, grid_points, mode_overrides, selected_kernels, uniform_case
 from mla_bench.graph import GRAPH_TARGET, bench_graph, print_graph_header
 from mla_bench.host import bench_host, print_host_summary
 from mla_bench.jsonio import write_json
@@ -31,10 +32,19 @@ def kernel_configs(args, cases: list[Case], spec) -> list:
     if getattr(args, "graph", False):
         return prebuild.unique(cfg for mode in args.modes for cfg in prebuild.class_variants(
             spec, mode=mode, num_heads=args.heads, page_size=64, flash_mla=True))
-    return list(dict.fromkeys(
-        cfg for heads, q_len in grid_points(args) for case in cases for mode in args.modes
-        for cfg in selected_kernels(spec, mode, case, at_point(args, heads, q_len))[:2] if cfg is not None
-    ))
+    configs = []
+    for heads, q_len in grid_points(args):
+        for case in cases:
+            for mode in args.modes:
+                decode, combine, _ = selected_kernels(spec, mode, case, at_point(args, heads, q_len))
+                configs += [cfg for cfg in (decode, combine) if cfg is not None]
+                # a8w8 whose decode kernel reads amax(|q|): the reduction launched before it (``launch.kernels``)
+                overrides = mode_overrides(args) or {}
+                if (MODE_FORMATS[mode][1] == "fp8" and overrides.get("amax_kernel", True)
+                        and not getattr(decode, "amax_in_kernel", False)):
+                    amax = schedule.amax_config(spec, num_heads=heads)
+                    configs += [amax] if amax is not None else []
+    return list(dict.fromkeys(configs))
 
 
 def _setup(args) -> tuple:

@@ -186,10 +186,16 @@ def test_a8w8_reduces_q_once_per_call_in_its_own_kernel(monkeypatch, no_kernels,
     assert len(calls[amax_name]) == 3
 
 
-def test_a8w8_without_the_amax_kernel_reduces_q_by_torch(monkeypatch, no_kernels):
-    """``schedule.amax_config`` None (gfx942, or the kernel turned off): torch's one reduction per call, written
-    where the decode reads q_scale; the value is amax(|q|)."""
-    monkeypatch.setattr(mla.launch.schedule, "AMAX_KERNEL_ON_CUDA", False)
+@pytest.mark.parametrize("off", ["flag", "override"])
+def test_a8w8_without_the_amax_kernel_reduces_q_by_torch(monkeypatch, no_kernels, off):
+    """``schedule.amax_config`` None (gfx942, or the kernel turned off), or the tuning override
+    ``amax_kernel=False``: torch's one reduction per call, written where the decode reads q_scale; the value is
+    amax(|q|); the override changes nothing else (the same decode kernel)."""
+    overrides = None
+    if off == "flag":
+        monkeypatch.setattr(mla.launch.schedule, "AMAX_KERNEL_ON_CUDA", False)
+    else:
+        overrides = {"amax_kernel": False}
     norms = []
     real = torch.linalg.vector_norm
 
@@ -201,9 +207,10 @@ def test_a8w8_without_the_amax_kernel_reduces_q_by_torch(monkeypatch, no_kernels
     q, kv, qo, kvp = flat_inputs([10, 20])
     kv8, scale = kv.to(torch.float8_e4m3fn), torch.ones(1)
     for _ in range(3):
-        mla_decode(q, kv8, qo, kvp, kv_scale=scale, q_format="fp8", num_splits=1)
+        mla_decode(q, kv8, qo, kvp, kv_scale=scale, q_format="fp8", num_splits=1, config_overrides=overrides)
     assert len(norms) == 3
-    (decode_args,) = {r.name: r.calls for r in no_kernels.values() if r.calls}.values()
+    ((name, decode_args),) = {r.name: r.calls for r in no_kernels.values() if r.calls}.items()
+    assert name == "mla_decode_direct_kvfp8_qfp8_h16_bh16_qt1_bn64_st1_t128_g1_nostage_fd_fn"
     assert torch.equal(decode_args[-1][4], q.abs().amax().float().reshape(1)), "q_scale argument = amax(|q|)"
     mla_decode(q, kv8, qo, kvp, kv_scale=scale)  # bf16 Q: no reduction
     assert len(norms) == 3
