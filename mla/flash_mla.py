@@ -625,7 +625,7 @@ class _GraphRun:
                         if self.max_splits > 1 else None)
         self.schedule = jit.get_launcher(SplitScheduleConfig(), spec)
         # a8w8 from bf16 Q: amax(|q|) by our kernel where the target has it (``schedule.amax_config``), else torch's
-        amax_cfg = schedule.amax_config(spec, num_heads=h_q) if call.kernel_q_format == "fp8" else None
+        amax_cfg = schedule.amax_launch(spec, cfg, q_format=call.kernel_q_format, num_heads=h_q)
         self.amax = None if amax_cfg is None else jit.get_launcher(amax_cfg, spec)
         self.q_rows_shape = (batch * s_q, h_q, QK_DIM)
         self.own_splits = torch.zeros(batch + 1, dtype=torch.int32, device=device)

@@ -63,10 +63,8 @@ def kernels(spec, kv_format, q_format, num_heads, causal, page_size, batch, tota
     )
     fused = bool(getattr(decode_cfg, "fused_combine", False))
     combine = None if combine_cfg is None or fused else jit.get_launcher(combine_cfg, spec)
-    amax = None
-    if q_format == "fp8" and amax_kernel and not getattr(decode_cfg, "amax_in_kernel", False):
-        amax_cfg = schedule.amax_config(spec, num_heads=num_heads)
-        amax = None if amax_cfg is None else jit.get_launcher(amax_cfg, spec)
+    amax_cfg = schedule.amax_launch(spec, decode_cfg, q_format=q_format, num_heads=num_heads, amax_kernel=amax_kernel)
+    amax = None if amax_cfg is None else jit.get_launcher(amax_cfg, spec)
     return Kernels(decode_cfg, jit.get_launcher(decode_cfg, spec), combine, num_splits, fused, amax)
 
 

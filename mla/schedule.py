@@ -411,6 +411,16 @@ def amax_config(spec: TargetSpec, *, num_heads: int = 16) -> AmaxKernelConfig | 
     return AmaxKernelConfig(num_heads=num_heads)
 
 
+def amax_launch(spec: TargetSpec, decode_cfg, *, q_format: str, num_heads: int,
+                amax_kernel: bool = True) -> AmaxKernelConfig | None:
+    """The amax kernel launched before ``decode_cfg``: a8w8 from bf16 Q (``q_format`` "fp8") whose decode kernel
+    reads amax(|q|) rather than reducing it (``amax_in_kernel``). None: no such launch, or torch's reduction
+    (``amax_config`` None, or the tuning override ``amax_kernel=False``)."""
+    if q_format != "fp8" or not amax_kernel or getattr(decode_cfg, "amax_in_kernel", False):
+        return None
+    return amax_config(spec, num_heads=num_heads)
+
+
 def ctas_per_sm(spec: TargetSpec, cfg: DecodeKernelConfig | WSDecodeKernelConfig) -> int:
     """How many decode CTAs fit on one SM / CU at once (shared memory is the binding limit)."""
     return max(1, min(spec.smem_bytes // max(cfg.shared_bytes, 1), 2048 // cfg.threads, 8))

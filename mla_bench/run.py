@@ -38,12 +38,9 @@ def kernel_configs(args, cases: list[Case], spec) -> list:
             for mode in args.modes:
                 decode, combine, _ = selected_kernels(spec, mode, case, at_point(args, heads, q_len))
                 configs += [cfg for cfg in (decode, combine) if cfg is not None]
-                # a8w8 whose decode kernel reads amax(|q|): the reduction launched before it (``launch.kernels``)
-                overrides = mode_overrides(args) or {}
-                if (MODE_FORMATS[mode][1] == "fp8" and overrides.get("amax_kernel", True)
-                        and not getattr(decode, "amax_in_kernel", False)):
-                    amax = schedule.amax_config(spec, num_heads=heads)
-                    configs += [amax] if amax is not None else []
+                amax = schedule.amax_launch(spec, decode, q_format=MODE_FORMATS[mode][1], num_heads=heads,
+                                            amax_kernel=(mode_overrides(args) or {}).get("amax_kernel", True))
+                configs += [amax] if amax is not None else []
     return list(dict.fromkeys(configs))
 
 

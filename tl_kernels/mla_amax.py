@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from tl_kernels.steps import QK_DIM
-
-AMAX_VECTOR = 8  # bf16 elements per 16-byte load (576 = 72 x 8: a vector never crosses a Q row)
+from tl_kernels import steps
+from tl_kernels.steps import AMAX_UNROLL, AMAX_VECTOR, QK_DIM
 AMAX_CTAS = 64  # the grid (and the partials' length): enough CTAs that a cold Q's loads are in flight at once on
 # the harness's sizes (32 x 1024: 36864 vectors, 576 a CTA)
 
@@ -28,7 +27,6 @@ class AmaxKernelConfig:
     num_heads: int = 16
     ctas: int = AMAX_CTAS
     threads: int = 256
-    unroll: int = 4  # vectors a thread loads before it reduces them
 
     def __post_init__(self):
         if not 1 <= self.ctas <= self.threads:
@@ -37,7 +35,7 @@ class AmaxKernelConfig:
 
     @property
     def name(self) -> str:
-        return f"mla_amax_h{self.num_heads}_c{self.ctas}_t{self.threads}_u{self.unroll}"
+        return f"mla_amax_h{self.num_heads}_c{self.ctas}_t{self.threads}"
 
 
 def mla_amax_kernel(cfg: AmaxKernelConfig):
@@ -50,9 +48,8 @@ def mla_amax_kernel(cfg: AmaxKernelConfig):
       Ticket      (1,) fp32, zero before the call and after it (the CTAs count themselves in it)
     """
     f32, i32, bf16 = "float32", "int32", "bfloat16"
-    ctas, threads, unroll, heads = cfg.ctas, cfg.threads, cfg.unroll, cfg.num_heads
+    ctas, threads, heads = cfg.ctas, cfg.threads, cfg.num_heads
     total_q = T.dynamic("total_q")
-    row_vecs = QK_DIM // AMAX_VECTOR
 
     @T.prim_func
     def mla_amax(
@@ -62,29 +59,13 @@ def mla_amax_kernel(cfg: AmaxKernelConfig):
         Ticket: T.Tensor([1], f32),
     ):
         with T.Kernel(ctas, threads=threads) as cta:
-            vals = T.alloc_local([unroll * AMAX_VECTOR], bf16)
+            vals = T.alloc_local([AMAX_UNROLL * AMAX_VECTOR], bf16)
             cta_bits = T.alloc_shared([1], i32)
             last = T.alloc_shared([1], f32)
-            bits = T.alloc_var(i32, init=0)
             tx = T.get_thread_binding()
-            vecs = total_q * heads * row_vecs
-            per_cta = T.ceildiv(vecs, ctas)
-            # Stage 1: this CTA's share. Vectors past it belong to the next CTA's, past the tensor they are its last
-            # one: the maximum does not care which CTA sees an element, or how often.
-            for step in T.serial(T.ceildiv(per_cta, threads * unroll)):
-                for u in T.unroll(unroll):
-                    vec = T.min(cta * per_cta + (step * unroll + u) * threads + tx, vecs - 1)
-                    row = vec // row_vecs  # (query row, head) pair
-                    for e in T.vectorized(AMAX_VECTOR):
-                        vals[u * AMAX_VECTOR + e] = Q[row // heads, row % heads, vec % row_vecs * AMAX_VECTOR + e]
-                for i in T.unroll(unroll * AMAX_VECTOR):
-                    bits = T.max(bits, T.reinterpret(T.abs(T.cast(vals[i], f32)), i32))
+            # Stage 1: this CTA's maximum (the fused decode kernels' own reduction: ``steps.cta_amax_bits``).
+            steps.cta_amax_bits(Q, heads, total_q, threads, ctas, cta, tx, cta_bits, vals)
             # Stage 2: the CTA's maximum into its partial, then its ticket (the partial fenced before it).
-            if tx == 0:
-                cta_bits[0] = 0
-            T.sync_threads()
-            T.atomic_max(cta_bits[0], bits)
-            T.sync_threads()
             if tx == 0:
                 Partials[cta] = cta_bits[0]
                 T.call_extern("handle", "__threadfence")

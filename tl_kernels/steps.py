@@ -362,23 +362,19 @@ AMAX_UNROLL = 4  # vectors a thread loads before it reduces them: a CTA's slice 
 
 
 @T.macro
-def reduce_amax(c, Q, Amax_cell, Amax_bits, Amax_vals, n_splits, tx, split_id, seq_id, hg):
-    # a8w8 with the merge fused (``amax_in_kernel``): amax(|Q|) over the whole Q tensor: each CTA takes an equal
-    # slice of its 16-byte vectors, each thread loads AMAX_UNROLL of them into ``Amax_vals`` before reducing (all
-    # its loads in flight at once: one memory round trip at the harness's sizes, not one per element step), the
-    # CTA's maximum goes into the zeroed cell by an integer atomic max on the float bits (|q| >= 0, so their order is
-    # the floats'; a NaN's bits exceed inf's, so NaN wins as in torch's amax); after the grid barrier every CTA
-    # reads the total through L2 (``merge_load``). Vectors past the tensor are clamped to its last one: any element
-    # of Q may join any CTA's maximum. Exact: the same amax as torch's.
-    heads = c.heads
-    n_ctas = n_splits * c.num_seqs * c.head_groups
-    cta = (hg * c.num_seqs + seq_id) * n_splits + split_id
-    total = c.total_q * (heads * QK_DIM // AMAX_VECTOR)  # vectors
+def cta_amax_bits(Q, heads, total_q, threads, n_ctas, cta, tx, Amax_bits, Amax_vals):
+    # amax(|Q|) over this CTA's share of Q (total_q x heads x 576 bf16), into Amax_bits[0] as the bits of a float
+    # (for every thread, after a barrier): the CTA takes an equal slice of Q's 16-byte vectors, each thread loads
+    # AMAX_UNROLL of them into ``Amax_vals`` before reducing (all its loads in flight at once: one memory round trip
+    # at the harness's sizes, not one per element step), and the maximum is an integer max on the bits of |q| (>= 0,
+    # so their order is the floats'; a NaN's bits exceed inf's, so NaN wins as in torch's amax). Vectors past the
+    # slice or the tensor (clamped to its last one) join the maximum harmlessly. Exact: the same amax as torch's.
+    total = total_q * (heads * QK_DIM // AMAX_VECTOR)  # vectors
     per_cta = T.ceildiv(total, n_ctas)
     bits = T.alloc_var("int32", init=0)
-    for step in T.serial(T.ceildiv(per_cta, c.threads * AMAX_UNROLL)):
+    for step in T.serial(T.ceildiv(per_cta, threads * AMAX_UNROLL)):
         for u in T.unroll(AMAX_UNROLL):
-            vec = T.min(cta * per_cta + (step * AMAX_UNROLL + u) * c.threads + tx, total - 1)
+            vec = T.min(cta * per_cta + (step * AMAX_UNROLL + u) * threads + tx, total - 1)
             row_vecs = QK_DIM // AMAX_VECTOR
             for e in T.vectorized(AMAX_VECTOR):
                 Amax_vals[u * AMAX_VECTOR + e] = Q[vec // (heads * row_vecs), vec // row_vecs % heads,
@@ -390,6 +386,15 @@ def reduce_amax(c, Q, Amax_cell, Amax_bits, Amax_vals, n_splits, tx, split_id, s
     T.sync_threads()
     T.atomic_max(Amax_bits[0], bits)
     T.sync_threads()
+
+
+@T.macro
+def reduce_amax(c, Q, Amax_cell, Amax_bits, Amax_vals, n_splits, tx, split_id, seq_id, hg):
+    # a8w8 with the merge fused (``amax_in_kernel``): amax(|Q|) over the whole Q tensor: each CTA's share
+    # (``cta_amax_bits``) goes into the zeroed cell by an integer atomic max on the float bits; after the grid
+    # barrier every CTA reads the total through L2 (``merge_load``). (Without a grid barrier: tl_kernels/mla_amax.py.)
+    cta_amax_bits(Q, c.heads, c.total_q, c.threads, n_splits * c.num_seqs * c.head_groups,
+                  (hg * c.num_seqs + seq_id) * n_splits + split_id, tx, Amax_bits, Amax_vals)
     if tx == 0:
         T.call_extern("handle", "mla_amax_bits", Amax_cell.access_ptr("rw", offset=0), Amax_bits[0])
     T.sync_grid()
