@@ -289,6 +289,13 @@ def ws_config(
     return cfg
 
 
+# mxfp4 on the fp8 wgmma ring with two decoder warp groups, one per stage (``WSDecodeKernelConfig.mx_decoders``; issue
+# 28, opt-in until measured): e4m3 codes under per-token exponents, Q's and P's two terms stacked as fp8's default
+# ring has them. 512 threads: consumer 224 registers, transposer 72, decoders 104 each (ptxas, CPU box: the fewest
+# spills of 240/88/88, 240/72/96 and 224/72/104; 120 B, in per-pass setup and the wait loops).
+MX_RING_2D = dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True, mx_decoders=2, consumer_regs=224)
+
+
 def ws_ring_defaults(kv_format: str, q_format: str = "bf16") -> dict:
     """The ring the op's default takes for this cache and Q format (``ws_config`` overrides): ``fp8_mma`` (with
     ``p_split`` and ``p_stack``, and ``q_stack`` for bf16 Q) where ``WS_DEFAULTS`` says so, else none (the decoder

@@ -118,7 +118,9 @@ def test_paged_ring(mode, page_size):
 F8MMA_WATCHDOG_S = 240
 # The default ring for fp8 caches (P as two e4m3 terms in one wgmma group, bf16 Q's two terms likewise:
 # ``schedule.ws_ring_defaults``); mxfp4 opts in, with P as two terms (one misses the gate: runs 48-49).
-F8MMA = {"a8w8": WS, "fp8": WS, "mxfp4": {"ws": True, "fp8_mma": True, "p_split": True}}
+# "mxfp4-2dec": mxfp4 with two decoder warp groups, one per stage (``schedule.MX_RING_2D``, opt-in).
+F8MMA = {"a8w8": WS, "fp8": WS, "mxfp4": {"ws": True, "fp8_mma": True, "p_split": True},
+         "mxfp4-2dec": {"ws": True, **schedule.MX_RING_2D}}
 _F8MMA_CASES = r"""
 import json, math, sys, traceback
 import torch
@@ -128,7 +130,8 @@ from test_ws_gpu import F8MMA, RING_LENGTHS, TAIL, poison_tail
 from mla.decode import harness_cache, mla_decode
 from mla.inputs import make_ragged_inputs, to_paged
 
-def call(data, mode, causal=False, num_splits=None, page_size=0):
+def call(data, ring, causal=False, num_splits=None, page_size=0):
+    mode = ring.split("-")[0]
     q, kv_data, qo_indptr, kv_indptr, _ = data
     extra = {}
     if page_size:
@@ -137,7 +140,7 @@ def call(data, mode, causal=False, num_splits=None, page_size=0):
     out = poisoned((q.shape[0], 16, 512), torch.bfloat16)
     lse = poisoned((q.shape[0], 16), torch.float32)
     mla_decode(q, cache, qo_indptr, kv_indptr, out=out, lse=lse, return_lse=True, causal=causal,
-               num_splits=num_splits, config_overrides=F8MMA[mode], **kw, **extra)
+               num_splits=num_splits, config_overrides=F8MMA[ring], **kw, **extra)
     return out, lse
 
 cases = []
@@ -153,15 +156,16 @@ for page_size in (1, 16, 64):
     cases.append((f"paged {page_size}", dict(kv_lens=[1, 65, 0, 500, 193], q_lens=1, seed=page_size),
                   dict(page_size=page_size, num_splits=3)))
 results = []
-for mode in sys.argv[1].split(","):  # a8w8 (fp8 Q codes), fp8 and mxfp4 (bf16 Q as two e4m3 terms)
+for ring in sys.argv[1].split(","):  # a8w8 (fp8 Q codes), fp8 and mxfp4 (bf16 Q as two e4m3 terms); F8MMA's keys
+    mode = ring.split("-")[0]
     for label, inputs, kwargs in cases:
-        label = f"{mode} {label}"
+        label = f"{ring} {label}"
         try:
             data = poison_tail(make_ragged_inputs(inputs["kv_lens"], inputs["q_lens"], seed=inputs["seed"],
                                                   tail_rows=TAIL))
             ref_out, ref_lse = reference_for(mode, data, causal=kwargs.get("causal", False))
             for rep in range(2):  # twice: the fused merge leaves its semaphores at zero
-                out, lse = call(data, mode, **kwargs)
+                out, lse = call(data, ring, **kwargs)
                 check_against_reference(out, ref_out, mode, data[2], data[3], lse=lse, ref_lse=ref_lse,
                                         context=f"{label} (call {rep + 1})")
             results.append(dict(case=label, ok=True))
@@ -173,10 +177,10 @@ print("RESULT " + json.dumps(results))
 
 
 # a8w8 and fp8: their default ring, prebuilt (flat, causal, paged); mxfp4's opt-in kernels are built on first use
-# (or prebuilt by tools/ws_check.py, see above).
-@launches(lambda modes, **_: [(mode, 16, 1, causal, page) for mode in modes.split(",") if mode != "mxfp4"
+# (or prebuilt by tools/ws_check.py --prebuild --check --pages 1,16,64 --modes mxfp4 --variants f8mmaps,mxd2).
+@launches(lambda modes, **_: [(mode, 16, 1, causal, page) for mode in modes.split(",") if "mxfp4" not in mode
                               for causal, page in ((False, 0), (True, 0), (False, 1), (False, 16), (False, 64))])
-@pytest.mark.parametrize("modes", ["a8w8,fp8", "mxfp4"])
+@pytest.mark.parametrize("modes", ["a8w8,fp8", "mxfp4", "mxfp4-2dec"])
 def test_fp8_mma_ring_under_a_watchdog(modes):
     """a8w8, fp8 (bf16 Q) and mxfp4 (its e4m3 decoder, issue 28 step 4) on fp8 wgmma against the fp32 reference:
     the ring's boundaries and split counts, one-token splits, causal query passes, paged caches; every call twice;

@@ -162,31 +162,35 @@ def test_the_model_finds_the_hang_of_run_47():
 # no write lands in a slot while its previous tile is still being read, and every read sees its own tile's write.
 
 
-def mx_ring(num_tiles, passes, slots=2 * STAGES):
-    """``fp8_mma_ring`` with the column slots' writes and reads (``slots``: how many; the kernel has 2 x stages)."""
+def mx_ring(num_tiles, passes, slots=2 * STAGES, decoders=1):
+    """``fp8_mma_ring`` with the column slots' writes and reads (``slots``: how many; the kernel has 2 x stages).
+    ``decoders`` == STAGES: ``mx_decoders``, decoder group s walks stage s's rounds only (``mx_stage_loop``)."""
     counts, (copier, transposer, consumer) = fp8_mma_ring(num_tiles, passes)
-    decoder, reader = [], []
+    decoder_programs, reader = [[] for _ in range(decoders)], []
     for tile_seq, (s, p, real) in enumerate(schedule(num_tiles, passes)):
         slot = (s + STAGES * p) % slots
-        decoder += [("wait", "free", s, p ^ 1)] + ([("write", slot, tile_seq)] if real else []) + [("arrive", "ready", s)]
+        decoder_programs[s % decoders] += [("wait", "free", s, p ^ 1)] + (
+            [("write", slot, tile_seq)] if real else []) + [("arrive", "ready", s)]
         reader += [("wait", "ready", s, p), ("arrive", "free", s)] + (
             [("read", slot, tile_seq)] if real else []) + [("wait", "vt_ready", s, p)] + (
             [("done", slot, tile_seq)] if real else []) + [("arrive", "vt_free", s)]
-    return counts, [decoder, transposer, reader]
+    return counts, [*decoder_programs, transposer, reader]
 
 
-def find_column_race(num_tiles, passes, slots=2 * STAGES):
+def find_column_race(num_tiles, passes, slots=2 * STAGES, decoders=1):
     """``explore`` of ``mx_ring``: None, or the race (or hang) it finds."""
-    return explore(*mx_ring(num_tiles, passes, slots), slots=slots)
+    return explore(*mx_ring(num_tiles, passes, slots, decoders), slots=slots)
 
 
+@pytest.mark.parametrize("decoders", [1, STAGES], ids=["one-decoder", "decoder-per-stage"])
 @pytest.mark.parametrize("passes", [1, 2])
-@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 6])
-def test_mx_column_slots_are_never_overwritten_while_read(num_tiles, passes):
-    assert find_column_race(num_tiles, passes) is None
+@pytest.mark.parametrize("num_tiles", [0, 1, 2, 3, 4, 5, 6])
+def test_mx_column_slots_are_never_overwritten_while_read(num_tiles, passes, decoders):
+    assert find_column_race(num_tiles, passes, decoders=decoders) is None
 
 
 def test_mx_column_slots_race_with_one_slot_per_stage():
     """The check can fail: with one slot per stage the decoder may write tile t + 2 while tile t is still read
     (the stage is released before the MMA warp group reads the values)."""
     assert find_column_race(4, 1, slots=STAGES) is not None
+    assert find_column_race(4, 1, slots=STAGES, decoders=STAGES) is not None

@@ -325,11 +325,13 @@ def test_fp8_mma_reads_an_fp8_cache_or_mxfp4_with_bf16_q(kv_format, q_format):
 # ---- mxfp4 on fp8 wgmma (``fp8_mma`` with an mxfp4 cache, issue 28 step 4) -------------------------------------
 
 
-@pytest.fixture(scope="module", params=[(False, 0, False), (True, 64, False), (False, 0, True)],
-                ids=["flat", "causal-page64", "p-split"])
+@pytest.fixture(scope="module", params=[(False, 0, False, F8MMA), (True, 64, False, F8MMA), (False, 0, True, F8MMA),
+                                        (False, 0, True, schedule.MX_RING_2D)],
+                ids=["flat", "causal-page64", "p-split", "two-decoders"])
 def mx_mma_source(request):
-    causal, page_size, p_split = request.param
-    cfg = schedule.ws_config(H200, kv_format="mxfp4", causal=causal, page_size=page_size, p_split=p_split, **F8MMA)
+    causal, page_size, p_split, ring = request.param
+    cfg = schedule.ws_config(H200, kv_format="mxfp4", causal=causal, page_size=page_size,
+                             **{"p_split": p_split, **ring})
     artifact = jit.lower(cfg, H200)
     return cfg, artifact.kernel_source, jit.lowered_lds_bytes(artifact)
 
@@ -347,14 +349,25 @@ def test_mx_mma_decodes_mxfp4_to_e4m3_for_fp8_wgmma(mx_mma_source):
     assert producers.count("mla_mx_token_exp(") == producers.count("mla_mx_store_columns(") == 2 * cfg.num_stages
     assert producers.count("mla_transpose_v_fp8(") == cfg.num_stages
     fp8_wgmma = "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 16, 32,"
-    assert fp8_wgmma in consumer and "kBFloat16" not in consumer and "wgmma" not in producers
-    assert consumer.count(fp8_wgmma) == cfg.num_stages * (6 if cfg.p_split else 5), (
-        "two score groups of two wgmma loops, one P V (two with p_split), per stage")
+    assert fp8_wgmma.split(", 64,")[0] in consumer and "kBFloat16" not in consumer and "wgmma" not in producers
+    if cfg.p_stack:  # Q's and P's two terms stacked: m64n32, one score group (two loops) and one P V group
+        stacked = fp8_wgmma.replace(", 64, 16, 32,", ", 64, 32, 32,")
+        assert consumer.count(stacked) == cfg.num_stages * 3, "one score group of two wgmma loops, one P V, per stage"
+    else:
+        assert consumer.count(fp8_wgmma) == cfg.num_stages * (6 if cfg.p_split else 5), (
+            "two score groups of two wgmma loops, one P V (two with p_split), per stage")
     assert "initialize_wgmma_descriptor<1, 1, 64>(desc_a" in consumer, "latent codes not 128-byte swizzled"
     assert consumer.count("initialize_wgmma_descriptor<2, 1, 32>(desc_a") >= 2 * cfg.num_stages
     assert "__syncthreads" not in producers, "a CTA-wide barrier in the producers' loop"
-    # the registers: consumer + decoder + transposer within the pool
-    assert cfg.consumer_regs + cfg.group_regs(0) + cfg.group_regs(1) <= 504 and cfg.group_regs(1) == 128
+    # the registers: consumer + decoder(s) + transposer within the pool, each group's setmaxnreg in the source
+    groups = [cfg.group_regs(g) for g in range(cfg.producer_groups)]
+    assert cfg.consumer_regs + sum(groups) <= 504 and groups[1] == cfg.transposer_regs
+    assert cfg.producer_groups == 1 + cfg.mx_decoders and f"__launch_bounds__({cfg.threads}, 1)" in src
+    for regs in {cfg.producer_regs, cfg.transposer_regs}:
+        assert f"warpgroup_reg_dealloc<{regs}>" in body, f"{cfg.name}: no setmaxnreg {regs}"
+    if cfg.mx_decoders > 1:  # each decoder group owns one stage: one ready arrival per stage per group's loop
+        assert cfg.threads == 512 and "(384 <= ((int)threadIdx.x))" in body, (
+            f"{cfg.name}: no branch for the second decoder group (threads 384 ..)")
 
 
 def test_mx_mma_shared_bytes_bound_the_lowered_allocation(mx_mma_source):

@@ -62,8 +62,11 @@ P_FP8_SCALE = 256.0
 # and the pair holds x to about 2^-8.
 Q_SPLIT_LO = 16.0
 Q_SPLIT_TOP = 7  # amax_r is scaled into [2^7, 2^8)
-# ``mx_mma``: the transposer's registers (its 8 blocks' words and addresses); the mxfp4 decoder takes the rest.
+# ``mx_mma``: the transposer's registers (its 8 blocks' words and addresses); the mxfp4 decoder takes the rest. With
+# two decoder warp groups (``mx_decoders``) each decoder holds one tile instead of two, and the three share what the
+# consumer leaves: 88 each at consumer_regs 240.
 MX_TRANSPOSER_REGS = 128
+MX_TRANSPOSER_REGS_2D = 72
 # ``mx_mma``: a decoder thread's share of a tile: token p / 2, blocks 8 h .. 8 h + 7 of the latent dims and rope
 # block 16 + h (h = p % 2): 9 blocks of 32 codes, 4 words each.
 MX_BLOCKS = 9
@@ -143,6 +146,12 @@ class WSDecodeKernelConfig:
     # the accumulator's two halves are rescaled alike per tile and summed once per pass (``fold_output``), at the cost
     # of 64 more accumulator registers per thread.
     p_stack: bool = False
+    # ``mx_mma``: decoder warp groups. 1: one decodes every tile, two tiles of codes in its registers (run 50: its
+    # ~790 instructions per thread and tile, one warp per scheduler, bound the ring at 754 us for 256 x 8192 on an
+    # H100, where fp8's copier ring took 447). 2 (= num_stages): decoder g owns stage g (tiles g, g + 2, ...) and
+    # holds only its next tile, so each has two tiles' time per tile and the SM has two decoding warps per
+    # scheduler; the ready / free protocol per stage is unchanged (one role fills a stage, as before).
+    mx_decoders: int = 1
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -174,6 +183,11 @@ class WSDecodeKernelConfig:
             if self.q_stack and (self.q_format != "bf16" or self.score_ahead or not self.score_group):
                 raise ValueError("q_stack stacks bf16 Q's two e4m3 terms (q_format 'bf16'), in score_group's one "
                                  "wgmma group, without score_ahead")
+            if self.mx_decoders not in (1, self.num_stages) or (self.mx_decoders > 1 and not self.mx_mma):
+                raise ValueError(f"mx_decoders is mx_mma's (an mxfp4 cache on fp8_mma): 1, or one decoder warp group "
+                                 f"per stage ({self.num_stages}); got {self.mx_decoders}")
+        elif self.mx_decoders != 1:
+            raise ValueError("mx_decoders is mx_mma's (fp8_mma with an mxfp4 cache)")
         elif self.p_split or self.score_ahead or self.q_stack or self.p_stack:
             raise ValueError("p_split, score_ahead, q_stack and p_stack are fp8_mma's (P as two e4m3 terms; the "
                              "score wgmma a tile ahead; Q's or P's two terms in one wgmma)")
@@ -213,7 +227,10 @@ class WSDecodeKernelConfig:
     @property
     def producer_groups(self) -> int:
         """bf16: one copier; fp8 / mxfp4: two decoder warp groups; ``fp8_mma``: a copier (``mx_mma``: the e4m3
-        decoder) and a V^T transposer."""
+        decoder, or ``mx_decoders`` of them) and a V^T transposer. Group g is threads 128 (g + 1) ..: the transposer
+        is group 1, a second mxfp4 decoder group 2."""
+        if self.mx_mma:
+            return 1 + self.mx_decoders
         return 1 if self.kv_format == "bf16" else DECODER_GROUPS
 
     @property
@@ -227,13 +244,18 @@ class WSDecodeKernelConfig:
         if self.kv_format == "bf16":
             return 96
         if self.mx_mma:
-            return (REGS_PER_LANE - self.consumer_regs - MX_TRANSPOSER_REGS) // 8 * 8
+            return (REGS_PER_LANE - self.consumer_regs - self.transposer_regs) // self.mx_decoders // 8 * 8
         return (REGS_PER_LANE - self.consumer_regs) // self.producer_groups // 8 * 8
+
+    @property
+    def transposer_regs(self) -> int:
+        """``mx_mma``: setmaxnreg of the transposer (less with two decoder groups beside it)."""
+        return MX_TRANSPOSER_REGS if self.mx_decoders == 1 else MX_TRANSPOSER_REGS_2D
 
     def group_regs(self, group: int) -> int:
         """setmaxnreg of producer warp group ``group`` (0: copier / decoders, 1: the second decoder group or the
-        transposer)."""
-        return MX_TRANSPOSER_REGS if self.mx_mma and group == 1 else self.producer_regs
+        transposer, 2: ``mx_mma``'s second decoder group)."""
+        return self.transposer_regs if self.mx_mma and group == 1 else self.producer_regs
 
     @property
     def raw_cols(self) -> int:
@@ -267,6 +289,7 @@ class WSDecodeKernelConfig:
             f"{'_idle' if self.idle_producers else ''}{'_fs' if self.fast_softmax else ''}{'_sg' if self.score_group else ''}{'_dst' if self.direct_stores else ''}{'_od' if self.ordered_decode else ''}"
             f"{'_f8mma' if self.fp8_mma else ''}{'_ps' if self.p_split else ''}{'_sa' if self.score_ahead else ''}"
             f"{'_qs' if self.q_stack else ''}{'_pst' if self.p_stack else ''}"
+            f"{f'_mxd{self.mx_decoders}' if self.mx_decoders != 1 else ''}"
         )
 
 
@@ -496,28 +519,61 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.mx_scale[buf * MX_BLOCKS + b] = dequant.load_byte(k.KV_scales[k.mx_row[buf] * k.scale_stride + scol])
 
     @T.macro
-    def mx_store_tile(k, s, parity, next_lo):
-        """Register buffer ``s`` (the token's half in tile ``s`` mod 2) into stage ``s``: the token exponent (one
+    def mx_store_tile(k, s, buf, parity, next_lo):
+        """Register buffer ``buf`` (the token's half of the tile) into stage ``s``: the token exponent (one
         shuffle with the partner thread), the consumer's column values (the even thread), then per block its e4m3
-        codes, and as each block's registers free up the load of the same block of the tile two ahead (starting at
-        ``next_lo``; None: no such tile)."""
-        k.mx_exp[0] = dequant.mx_token_exp(k.mx_raw[s * MX_WORDS], k.mx_scale[s * MX_BLOCKS])
+        codes, and as each block's registers free up the load of the same block of the stage's next tile, two ahead
+        (starting at ``next_lo``; None: no such tile)."""
+        k.mx_exp[0] = dequant.mx_token_exp(k.mx_raw[buf * MX_WORDS], k.mx_scale[buf * MX_BLOCKS])
         if k.mx_h == 0:
             T.evaluate(dequant.mx_store_columns(
                 k.mx_addr[2 * stages + 1] + column_slot(s, parity) * MX_COLUMN_BYTES + k.mx_token * 4, k.mx_exp[0]))
         if next_lo is not None:
-            k.mx_row[s] = cache_row(k, tile_pos(k, next_lo, k.mx_token))
+            k.mx_row[buf] = cache_row(k, tile_pos(k, next_lo, k.mx_token))
         for b in list(range(MX_BLOCKS)):
             T.evaluate(dequant.mx_block_to_e4m3(mx_chunk_addr(k, s, b, 0), mx_chunk_addr(k, s, b, 1),
-                                                k.mx_raw[(s * MX_BLOCKS + b) * 4], k.mx_scale[s * MX_BLOCKS + b],
+                                                k.mx_raw[(buf * MX_BLOCKS + b) * 4], k.mx_scale[buf * MX_BLOCKS + b],
                                                 k.mx_exp[0], k.mx_addr[2 * stages]))
             if next_lo is not None:
-                mx_fetch_block(k, s, b)
+                mx_fetch_block(k, buf, b)
+
+    @T.macro
+    def mx_fill_stage(k, q_pass, rnd, s, buf):
+        """``mx_mma``: stage ``s``'s tile of round ``rnd`` from register buffer ``buf``: wait for the stage to be
+        free, write its e4m3 codes and column values (loading the stage's next tile), fence, "ready" (the transposer
+        then writes its V^T). A round without a tile still waits and arrives (the barriers' phases stay in step)."""
+        tile = rnd * stages + s
+        parity = ring_parity(k, q_pass, rnd)
+        T.barrier_wait(k.free[s], parity ^ 1)
+        if tile < k.num_tiles:
+            if tile + stages < k.num_tiles:
+                mx_store_tile(k, s, buf, parity, k.split_lo + (tile + stages) * block_n)
+            else:
+                mx_store_tile(k, s, buf, parity, None)
+            T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
+        T.barrier_arrive(k.ready[s])
+
+    @T.macro
+    def mx_first_load(k, tile, buf):
+        """``mx_mma``: a pass's first load of tile ``tile`` (if the split has it) into register buffer ``buf``."""
+        if tile < k.num_tiles:
+            k.mx_row[buf] = cache_row(k, tile_pos(k, k.split_lo + tile * block_n, k.mx_token))
+            for b in list(range(MX_BLOCKS)):
+                mx_fetch_block(k, buf, b)
+
+    @T.macro
+    def mx_stage_loop(k, s):
+        """``mx_decoders`` == stages: decoder group s fills stage s only (tiles s, s + stages, ...), from one
+        register buffer."""
+        for q_pass in T.serial(k.num_passes):
+            mx_first_load(k, s, 0)
+            for rnd in T.serial(k.rounds):
+                mx_fill_stage(k, q_pass, rnd, s, 0)
 
     @T.macro
     def decode_mx_tiles(k):
-        """``mx_mma``: tiles t and t + 1 are loaded ahead; per tile, wait for a free stage, write its e4m3 codes and
-        column values, fence, "ready" (the transposer then writes its V^T)."""
+        """``mx_mma``: the decoder's tiles are loaded two ahead; per tile ``mx_fill_stage``. One decoder group fills
+        every stage (register buffer s for stage s); with ``mx_decoders`` == stages each group its own stage."""
         T.set_max_nreg(cfg.producer_regs, 0)
         for s in list(range(stages)):
             k.mx_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][0, 0])
@@ -525,27 +581,22 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.mx_addr[2 * stages] = dequant.smem_addr(k.mx_table[0])
         k.mx_addr[2 * stages + 1] = dequant.smem_addr(k.mx_cols[0])
         # The decode tables: every decoder thread writes all of them and reads only what it wrote itself (the same
-        # words), so no barrier orders the threads' writes.
+        # words; a second decoder group writes the same values), so no barrier orders the threads' writes.
         for w, word in enumerate(dequant.mx_table_words()):
             k.mx_table[w] = T.uint32(word)
-        for q_pass in T.serial(k.num_passes):
-            for first in list(range(stages)):
-                if first < k.num_tiles:
-                    k.mx_row[first] = cache_row(k, tile_pos(k, k.split_lo + first * block_n, k.mx_token))
-                    for b in list(range(MX_BLOCKS)):
-                        mx_fetch_block(k, first, b)
-            for rnd in T.serial(k.rounds):
-                for s in list(range(stages)):  # static: stage s and register buffer s hold tiles t = s (mod 2)
-                    tile = rnd * stages + s
-                    parity = ring_parity(k, q_pass, rnd)
-                    T.barrier_wait(k.free[s], parity ^ 1)
-                    if tile < k.num_tiles:
-                        if tile + stages < k.num_tiles:
-                            mx_store_tile(k, s, parity, k.split_lo + (tile + stages) * block_n)
-                        else:
-                            mx_store_tile(k, s, parity, None)
-                        T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
-                    T.barrier_arrive(k.ready[s])
+        if cfg.mx_decoders == 1:
+            for q_pass in T.serial(k.num_passes):
+                for first in list(range(stages)):
+                    mx_first_load(k, first, first)
+                for rnd in T.serial(k.rounds):
+                    for s in list(range(stages)):  # static: stage s and register buffer s hold tiles t = s (mod 2)
+                        mx_fill_stage(k, q_pass, rnd, s, s)
+        else:
+            # static stage per branch (its buffers and addresses); each branch runs in one whole warp group
+            if k.tx < CONSUMER_THREADS + WARP_GROUP:
+                mx_stage_loop(k, 0)
+            else:
+                mx_stage_loop(k, 1)
 
     def chunk_place(k, j):
         """(tile row, first dim) of the decoder thread's chunk j (see CHUNKS_PER_THREAD)."""
@@ -634,7 +685,13 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if cfg.idle_producers:
             pass_tiles(k)
         elif fp8_mma:
-            if k.tx < CONSUMER_THREADS + WARP_GROUP:
+            # group 0 (threads 128 ..): copier or mxfp4 decoder; group 1: transposer; group 2: second mxfp4 decoder
+            if cfg.producer_groups == 3:
+                if k.tx < CONSUMER_THREADS + WARP_GROUP or k.tx >= CONSUMER_THREADS + 2 * WARP_GROUP:
+                    decode_mx_tiles(k)
+                else:
+                    transpose_tiles(k)
+            elif k.tx < CONSUMER_THREADS + WARP_GROUP:
                 if cfg.mx_mma:
                     decode_mx_tiles(k)
                 else:
@@ -1096,7 +1153,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             p = k.tx - CONSUMER_THREADS
             k.warp, k.r8, k.c4 = p // 32, p % 8, p % 32 // 8
         if cfg.mx_mma:  # the mxfp4 decoder thread's token of the tile and half of it (mx_place)
-            p = k.tx - CONSUMER_THREADS
+            # its lane in its decoder group (a second group, mx_decoders, starts at thread 384)
+            p = k.tx % WARP_GROUP if cfg.mx_decoders > 1 else k.tx - CONSUMER_THREADS
             k.mx_token, k.mx_h = p // 2, p % 2
 
     def producer_registers(k):
@@ -1110,10 +1168,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.zero_word = T.alloc_shared([1], "uint32") if cfg.ordered_decode else None  # the shared 0 it reads
         if fp8_mma:  # the transposer's stage addresses: (codes, V^T) per stage
             k.vt_addr = T.alloc_local([2 * stages], "uint32")
-        if cfg.mx_mma:  # the mxfp4 decoder's: two tiles of codes and scale bytes, their rows, its shared addresses
-            k.mx_raw = T.alloc_local([2 * MX_WORDS], "uint32")
-            k.mx_scale = T.alloc_local([2 * MX_BLOCKS], "uint32")
-            k.mx_row = T.alloc_local([2], "int32")
+        if cfg.mx_mma:  # the mxfp4 decoder's: its tiles of codes and scale bytes (two; one per group with
+            # mx_decoders == stages), their rows, its shared addresses
+            bufs = 2 if cfg.mx_decoders == 1 else 1
+            k.mx_raw = T.alloc_local([bufs * MX_WORDS], "uint32")
+            k.mx_scale = T.alloc_local([bufs * MX_BLOCKS], "uint32")
+            k.mx_row = T.alloc_local([bufs], "int32")
             k.mx_exp = T.alloc_local([1], "uint32")
             k.mx_addr = T.alloc_local([2 * stages + 2], "uint32")  # (codes, rope) per stage, the tables, the columns
 

@@ -104,6 +104,9 @@ def golden_variants(target: str, only: str = "all") -> list:
         # P as two e4m3 terms
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", p_split=True, **f8mma),
         schedule.ws_config(spec, kv_format="mxfp4", p_split=True, **f8mma),
+        # mxfp4 with two decoder warp groups (``schedule.MX_RING_2D``): flat, and causal over pages of 64
+        schedule.ws_config(spec, kv_format="mxfp4", **schedule.MX_RING_2D),
+        schedule.ws_config(spec, kv_format="mxfp4", causal=True, page_size=64, **schedule.MX_RING_2D),
         # the op's default for fp8 caches (``schedule.ws_default_config``): bf16 Q, causal over pages of 64
         schedule.ws_default_config(spec, kv_format="fp8", q_format="bf16"),
         schedule.ws_default_config(spec, kv_format="fp8", q_format="bf16", causal=True, page_size=64),

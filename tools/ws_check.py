@@ -65,6 +65,7 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "f8mmapsqs": dict(fp8_mma=True, p_split=True, q_stack=True),  # bf16 Q's two terms in one score wgmma
     "f8mmapst": dict(fp8_mma=True, p_split=True, p_stack=True),  # P's two terms in one P V wgmma group
     "f8mmaqpst": dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True),  # both
+    "mxd2": schedule.MX_RING_2D,  # mxfp4: two decoder warp groups, one per stage, on f8mmaqpst's ring
     # the MMA warp group one score ahead (S(t + 1) in flight during the softmax of t)
     "f8sa": dict(fp8_mma=True, score_ahead=True),
     "f8saps": dict(fp8_mma=True, score_ahead=True, p_split=True),
