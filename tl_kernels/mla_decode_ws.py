@@ -519,11 +519,13 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.mx_scale[buf * MX_BLOCKS + b] = dequant.load_byte(k.KV_scales[k.mx_row[buf] * k.scale_stride + scol])
 
     @T.macro
-    def mx_store_tile(k, s, buf, parity, next_lo):
+    def mx_store_tile(k, s, buf, parity, next_lo, addr_s=None):
         """Register buffer ``buf`` (the token's half of the tile) into stage ``s``: the token exponent (one
         shuffle with the partner thread), the consumer's column values (the even thread), then per block its e4m3
         codes, and as each block's registers free up the load of the same block of the stage's next tile, two ahead
-        (starting at ``next_lo``; None: no such tile)."""
+        (starting at ``next_lo``; None: no such tile). ``addr_s``: the static index of the stage's addresses in
+        ``mx_addr`` when ``s`` is not static (``mx_decoders``)."""
+        addr_s = s if addr_s is None else addr_s
         k.mx_exp[0] = dequant.mx_token_exp(k.mx_raw[buf * MX_WORDS], k.mx_scale[buf * MX_BLOCKS])
         if k.mx_h == 0:
             T.evaluate(dequant.mx_store_columns(
@@ -531,7 +533,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if next_lo is not None:
             k.mx_row[buf] = cache_row(k, tile_pos(k, next_lo, k.mx_token))
         for b in list(range(MX_BLOCKS)):
-            T.evaluate(dequant.mx_block_to_e4m3(mx_chunk_addr(k, s, b, 0), mx_chunk_addr(k, s, b, 1),
+            T.evaluate(dequant.mx_block_to_e4m3(mx_chunk_addr(k, addr_s, b, 0), mx_chunk_addr(k, addr_s, b, 1),
                                                 k.mx_raw[(buf * MX_BLOCKS + b) * 4], k.mx_scale[buf * MX_BLOCKS + b],
                                                 k.mx_exp[0], k.mx_addr[2 * stages]))
             if next_lo is not None:
@@ -562,22 +564,39 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 mx_fetch_block(k, buf, b)
 
     @T.macro
-    def mx_stage_loop(k, s):
+    def mx_stage_loop(k):
         """``mx_decoders`` == stages: decoder group s fills stage s only (tiles s, s + stages, ...), from one
-        register buffer."""
+        register buffer, in one copy of the code for every group: the stage is a register (``mx_stage``), its ring
+        addresses are ``mx_addr[0]`` / ``[1]``, and the next tile's loads are issued whether or not the split has one
+        (rows clamped into the split: a few redundant loads at a pass's end instead of a second copy of the store
+        code). The unrolled decode is ~25 KB of SASS per copy: one copy fewer per group keeps the roles' per-tile code
+        within the SM's instruction caches (run 54: two copies, 708 us at 256 x 8192 on an H100)."""
+        s = k.mx_stage
         for q_pass in T.serial(k.num_passes):
             mx_first_load(k, s, 0)
             for rnd in T.serial(k.rounds):
-                mx_fill_stage(k, q_pass, rnd, s, 0)
+                tile = rnd * stages + s
+                parity = ring_parity(k, q_pass, rnd)
+                T.barrier_wait(k.free[s], parity ^ 1)
+                if tile < k.num_tiles:
+                    mx_store_tile(k, s, 0, parity, k.split_lo + (tile + stages) * block_n, addr_s=0)
+                    T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
+                T.barrier_arrive(k.ready[s])
 
     @T.macro
     def decode_mx_tiles(k):
         """``mx_mma``: the decoder's tiles are loaded two ahead; per tile ``mx_fill_stage``. One decoder group fills
         every stage (register buffer s for stage s); with ``mx_decoders`` == stages each group its own stage."""
         T.set_max_nreg(cfg.producer_regs, 0)
-        for s in list(range(stages)):
-            k.mx_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][0, 0])
-            k.mx_addr[2 * s + 1] = dequant.smem_addr(k.Ring_rope[s][0, 0])
+        if cfg.mx_decoders == 1:
+            for s in list(range(stages)):
+                k.mx_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][0, 0])
+                k.mx_addr[2 * s + 1] = dequant.smem_addr(k.Ring_rope[s][0, 0])
+        else:  # the group's own stage (two stages: 0 or 1) at index 0
+            k.mx_addr[0] = T.if_then_else(k.mx_stage == 0, dequant.smem_addr(k.Ring_lat[0][0, 0]),
+                                          dequant.smem_addr(k.Ring_lat[1][0, 0]))
+            k.mx_addr[1] = T.if_then_else(k.mx_stage == 0, dequant.smem_addr(k.Ring_rope[0][0, 0]),
+                                          dequant.smem_addr(k.Ring_rope[1][0, 0]))
         k.mx_addr[2 * stages] = dequant.smem_addr(k.mx_table[0])
         k.mx_addr[2 * stages + 1] = dequant.smem_addr(k.mx_cols[0])
         # The decode tables: every decoder thread writes all of them and reads only what it wrote itself (the same
@@ -592,11 +611,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     for s in list(range(stages)):  # static: stage s and register buffer s hold tiles t = s (mod 2)
                         mx_fill_stage(k, q_pass, rnd, s, s)
         else:
-            # static stage per branch (its buffers and addresses); each branch runs in one whole warp group
-            if k.tx < CONSUMER_THREADS + WARP_GROUP:
-                mx_stage_loop(k, 0)
-            else:
-                mx_stage_loop(k, 1)
+            mx_stage_loop(k)
 
     def chunk_place(k, j):
         """(tile row, first dim) of the decoder thread's chunk j (see CHUNKS_PER_THREAD)."""
@@ -1156,6 +1171,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             # its lane in its decoder group (a second group, mx_decoders, starts at thread 384)
             p = k.tx % WARP_GROUP if cfg.mx_decoders > 1 else k.tx - CONSUMER_THREADS
             k.mx_token, k.mx_h = p // 2, p % 2
+            if cfg.mx_decoders > 1:  # the decoder group's stage: group 0 (threads 128 ..) stage 0, group 2 stage 1
+                k.mx_stage = scalar("int32", T.if_then_else(k.tx < CONSUMER_THREADS + WARP_GROUP, 0, 1))
 
     def producer_registers(k):
         """A decoder thread's register buffers: two tiles of codes (and scale bytes), one chunk of bf16."""
