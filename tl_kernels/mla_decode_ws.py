@@ -540,15 +540,19 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 mx_fetch_block(k, buf, b)
 
     @T.macro
-    def mx_fill_stage(k, q_pass, rnd, s, buf):
+    def mx_fill_stage(k, q_pass, rnd, s, buf, addr_s=None):
         """``mx_mma``: stage ``s``'s tile of round ``rnd`` from register buffer ``buf``: wait for the stage to be
         free, write its e4m3 codes and column values (loading the stage's next tile), fence, "ready" (the transposer
-        then writes its V^T). A round without a tile still waits and arrives (the barriers' phases stay in step)."""
+        then writes its V^T). A round without a tile still waits and arrives (the barriers' phases stay in step).
+        ``addr_s`` (a register stage, ``mx_stage_loop``): the static index of its addresses; the next tile's loads
+        are then issued whether or not the split has one (one copy of the store code, rows clamped)."""
         tile = rnd * stages + s
         parity = ring_parity(k, q_pass, rnd)
         T.barrier_wait(k.free[s], parity ^ 1)
         if tile < k.num_tiles:
-            if tile + stages < k.num_tiles:
+            if addr_s is not None:
+                mx_store_tile(k, s, buf, parity, k.split_lo + (tile + stages) * block_n, addr_s=addr_s)
+            elif tile + stages < k.num_tiles:
                 mx_store_tile(k, s, buf, parity, k.split_lo + (tile + stages) * block_n)
             else:
                 mx_store_tile(k, s, buf, parity, None)
@@ -575,13 +579,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         for q_pass in T.serial(k.num_passes):
             mx_first_load(k, s, 0)
             for rnd in T.serial(k.rounds):
-                tile = rnd * stages + s
-                parity = ring_parity(k, q_pass, rnd)
-                T.barrier_wait(k.free[s], parity ^ 1)
-                if tile < k.num_tiles:
-                    mx_store_tile(k, s, 0, parity, k.split_lo + (tile + stages) * block_n, addr_s=0)
-                    T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
-                T.barrier_arrive(k.ready[s])
+                mx_fill_stage(k, q_pass, rnd, s, 0, addr_s=0)
 
     @T.macro
     def decode_mx_tiles(k):
