@@ -480,8 +480,9 @@ def decode_variants(spec: TargetSpec, *, kv_format: str, q_format: str, num_head
     variants = [split_cfg, decode_config(spec, split=False, **problem), combine_config(spec, num_heads=num_heads)]
     if FUSED_COMBINE_ON_CUDA and can_fuse(spec, split_cfg):
         variants.append(dataclasses.replace(split_cfg, fused_combine=True))
-    if q_format == "fp8" and amax_config(spec, num_heads=num_heads) is not None:
-        variants.append(amax_config(spec, num_heads=num_heads))
+    amax_cfg = amax_config(spec, num_heads=num_heads) if q_format == "fp8" else None
+    if amax_cfg is not None:
+        variants.append(amax_cfg)
     return variants
 
 

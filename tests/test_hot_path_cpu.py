@@ -155,6 +155,20 @@ def test_eager_buffers_are_views_of_the_stream_scratch(no_kernels, two_kernel_fo
     assert bigger.buffer.dtype == torch.float32 and bigger.buffer.numel() % workspace.SCRATCH_GRANULE == 0
 
 
+def run_a8w8(entry, q, kv, qo, kvp, *, num_splits, calls):
+    """``calls`` a8w8 calls over an fp8 copy of ``kv`` (scale 1), eager (``mla_decode``) or through a plan; returns
+    the zeroed amax cell those calls were given (the stream's, or the plan's)."""
+    kv8, scale = kv.to(torch.float8_e4m3fn), torch.ones(1)
+    if entry == "eager":
+        for _ in range(calls):
+            mla_decode(q, kv8, qo, kvp, kv_scale=scale, q_format="fp8", num_splits=num_splits)
+        return workspace.amax_cell(torch.device("cpu"))
+    p = plan(qo, kvp, num_heads=16, kv_format="fp8", q_format="fp8", num_splits=num_splits, device="cpu")
+    for _ in range(calls):
+        p.run(q, kv8, kv_scale=scale)
+    return p._ws.amax_cell
+
+
 @pytest.mark.parametrize("entry", ["eager", "plan"])
 def test_a8w8_reduces_q_once_per_call_in_its_own_kernel(monkeypatch, no_kernels, entry):
     """Where the decode kernel reads amax(|q|) (no fused merge): one launch of the amax kernel per call, before the
@@ -162,16 +176,7 @@ def test_a8w8_reduces_q_once_per_call_in_its_own_kernel(monkeypatch, no_kernels,
     stream's or the plan's) the same buffers every call; no torch reduction."""
     monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: pytest.fail("torch's reduction on CUDA"))
     q, kv, qo, kvp = flat_inputs([10, 20])
-    kv8, scale = kv.to(torch.float8_e4m3fn), torch.ones(1)
-    if entry == "eager":
-        for _ in range(3):
-            mla_decode(q, kv8, qo, kvp, kv_scale=scale, q_format="fp8", num_splits=1)
-        cell = workspace.amax_cell(torch.device("cpu"))
-    else:
-        p = plan(qo, kvp, num_heads=16, kv_format="fp8", q_format="fp8", num_splits=1, device="cpu")
-        for _ in range(3):
-            p.run(q, kv8, kv_scale=scale)
-        cell = p._ws.amax_cell
+    cell = run_a8w8(entry, q, kv, qo, kvp, num_splits=1, calls=3)
     calls = {r.name: r.calls for r in no_kernels.values() if r.calls}
     (amax_name,) = [name for name in calls if name.startswith("mla_amax_")]
     (decode_name,) = [name for name in calls if name.startswith("mla_decode_")]
@@ -182,7 +187,7 @@ def test_a8w8_reduces_q_once_per_call_in_its_own_kernel(monkeypatch, no_kernels,
         assert amax.shape == (1,) and amax.dtype == torch.float32
         assert partials.shape == (mla.launch.AMAX_CTAS,) and partials.dtype == torch.int32
     assert len({id(a[1]) for a in calls[amax_name]}) == 1 and len({id(a[2]) for a in calls[amax_name]}) == 1
-    mla_decode(q, kv8, qo, kvp, kv_scale=scale, num_splits=1)  # bf16 Q: no reduction
+    mla_decode(q, kv.to(torch.float8_e4m3fn), qo, kvp, kv_scale=torch.ones(1), num_splits=1)  # bf16 Q: no reduction
     assert len(calls[amax_name]) == 3
 
 
@@ -222,16 +227,7 @@ def test_a8w8_with_the_merge_fused_reduces_q_inside_the_kernel(monkeypatch, no_k
     launch, and the q_scale argument is a zeroed cell (the stream's, or the plan's) that the kernel leaves zero."""
     monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: pytest.fail("a reduction launch"))
     q, kv, qo, kvp = flat_inputs([100, 200])
-    kv8, scale = kv.to(torch.float8_e4m3fn), torch.ones(1)
-    if entry == "eager":
-        for _ in range(2):
-            mla_decode(q, kv8, qo, kvp, kv_scale=scale, q_format="fp8", num_splits=2)
-        cell = workspace.amax_cell(torch.device("cpu"))
-    else:
-        p = plan(qo, kvp, num_heads=16, kv_format="fp8", q_format="fp8", num_splits=2, device="cpu")
-        for _ in range(2):
-            p.run(q, kv8, kv_scale=scale)
-        cell = p._ws.amax_cell
+    cell = run_a8w8(entry, q, kv, qo, kvp, num_splits=2, calls=2)
     ((name, calls),) = [(r.name, r.calls) for r in no_kernels.values() if r.calls]
     assert "_fused_" in name and "_qfp8_" in name
     assert calls[0][4] is calls[1][4] is cell, "q_scale argument: the zeroed amax cell"
