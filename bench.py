@@ -1,5 +1,7 @@
 """Benchmark of the TileLang MLA decode op (``mla.decode.mla_decode``), timed the way the competition harness times:
 CUDA events around ONE call, the L2 flushed (a 256 MiB write) before each rep, median of many reps (the min too).
+A measurement whose reps spread wider than ``mla_bench.timing.NOISY_SPREAD_PCT`` (p90 - p10 over the median) is
+flagged NOISY on its line and in the summary: a disturbed GPU or host, to be timed again before it is compared.
 
 Usage, from the repo root (``python bench.py`` finds the ``mla`` package next to this file):
 

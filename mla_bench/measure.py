@@ -1,6 +1,7 @@
 """One run's rows: for each case, the baselines, the peers and our modes, each timed (``mla_bench.timing``, cold L2,
 median) and, with ``--check``, compared once with the fp32 reference. A row is a dict (the JSON's row): the case, the
-implementation and its ``kind`` ("mode", "peer", "baseline"), then ``time_us`` / ``min_us`` / ``times_us``,
+implementation and its ``kind`` ("mode", "peer", "baseline"), then ``time_us`` / ``min_us`` / ``times_us`` /
+``spread_pct`` (``timing.spread_pct``),
 ``gbps`` and ``pct_ceiling``, ``tflops``, our ``num_splits`` and ``speedup`` over the others, ``rel_l2`` and
 ``check_ok``; or ``error`` / ``skipped``. A failure fills its row and the run goes on.
 """
@@ -75,7 +76,8 @@ def measure(bench: Bench, row: dict, fn, *, reps: int, bytes_read: float | None,
     except Exception as exc:  # noqa: BLE001
         row["error"] = error_text(exc)
         return row
-    row.update(time_us=statistics.median(times_us), min_us=min(times_us), reps=reps, times_us=times_us)
+    row.update(time_us=statistics.median(times_us), min_us=min(times_us), reps=reps, times_us=times_us,
+               spread_pct=timing.spread_pct(times_us))
     if bytes_read is not None:
         row.update(bytes_read=bytes_read, gbps=timing.gbps_of(bytes_read, row["time_us"]))
         row["pct_ceiling"] = 100.0 * row["gbps"] / bench.ceiling_gbps

@@ -15,7 +15,7 @@ from mla_bench.baselines import BASELINE_MAX_REPS, BASELINES
 from mla_bench.cases import Case, splits_for
 from mla_bench.jsonio import git_commit
 from mla_bench.peers import AITER, Peer
-from mla_bench.timing import FLUSH_BYTES, WARMUP_CALLS
+from mla_bench.timing import FLUSH_BYTES, NOISY_SPREAD_PCT, WARMUP_CALLS
 
 # Column order of the tables: each FlashMLA kernel beside the modes it compares with, then the other peers.
 IMPL_ORDER = ("bf16", peer_lib.FLASHMLA_BF16, "fp8", "a8w8", peer_lib.FLASHMLA_FP8, "mxfp4", *peer_lib.FLASHINFER,
@@ -30,6 +30,8 @@ def format_row(row: dict) -> str:
     if row.get("error"):
         return f"{head} {'FAILED' if row['kind'] == 'mode' else 'unavailable'}: {row['error']}"
     text = f"{head} {row['time_us']:9.1f} us (min {row['min_us']:9.1f})"
+    if row.get("spread_pct", 0.0) > NOISY_SPREAD_PCT:
+        text += f" NOISY ({row['spread_pct']:.0f}% spread)"
     if "gbps" in row:
         text += f" {row['gbps']:6.0f} GB/s {row['pct_ceiling']:5.1f}%"
     if "tflops" in row:
@@ -44,6 +46,11 @@ def format_row(row: dict) -> str:
     if "check_error" in row:
         text += f"  | check not run: {row['check_error']}"
     return text
+
+
+def noisy_rows(rows: list[dict]) -> list[str]:
+    """"case/impl" of every timed row whose reps spread wider than ``NOISY_SPREAD_PCT`` (``timing.spread_pct``)."""
+    return [f"{r['case']}/{r['impl']}" for r in rows if r.get("spread_pct", 0.0) > NOISY_SPREAD_PCT]
 
 
 def geomean(values: list[float]) -> float:
@@ -94,6 +101,10 @@ def print_summary(rows: list[dict], cases: list[Case], ceiling_gbps: float, args
     if args.check:
         bad = [f"{r['case']}/{r['impl']}" for r in rows if r.get("check_ok") is False or "check_error" in r]
         print("check: " + ("all within tolerance" if not bad else "FAIL " + ", ".join(bad)))
+    noisy = noisy_rows(rows)
+    if noisy:
+        print(f"NOISY timings (reps spread over {NOISY_SPREAD_PCT:.0f}% of the median: a disturbed GPU or host; time "
+              f"again before comparing): " + ", ".join(noisy))
     line = geomean_line(rows, cases, all_impls)
     if line:
         print(line)

@@ -10,6 +10,7 @@ the GPU never waiting for the host (the calls queued behind a ``torch.cuda._slee
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 
@@ -114,3 +115,19 @@ def gpu_us_per_call(fn, calls: int, host_us: float, cycles_per_us: float) -> dic
     end.record()
     torch.cuda.synchronize()
     return {"gpu_us": start.elapsed_time(end) * 1e3 / calls, "queued": enqueue_us < sleep_us}
+
+
+# A measurement whose reps spread wider than this (p90 - p10, % of the median) is flagged "noisy" in the report: on a
+# quiet GPU the reps of one call lie within a few per cent (docs/perf.md); run 57's disturbed host spread them by
+# 30-1000%, and only the flag tells such a run from a slow kernel.
+NOISY_SPREAD_PCT = 20.0
+
+
+def spread_pct(times_us: list[float]) -> float:
+    """(p90 - p10) / median of the reps, in per cent (nearest-rank percentiles; 0 for fewer than 2 reps)."""
+    if len(times_us) < 2:
+        return 0.0
+    ordered = sorted(times_us)
+    at = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]  # noqa: E731
+    median = statistics.median(ordered)
+    return 100.0 * (at(0.9) - at(0.1)) / median if median > 0 else 0.0

@@ -8,7 +8,7 @@ import pytest
 import bench
 import mla.prebuild
 from mla.target import spec_for_name
-from mla_bench import measure, timing
+from mla_bench import measure, report, timing
 from mla_bench.cases import (Case, at_point, build_cases, bytes_moved, flops_of, grid_points, mode_overrides,
                              parse_grid, selected_kernels)
 from mla_bench.report import format_row, grid_table
@@ -55,6 +55,36 @@ def test_measure_adds_tflops_and_format_prints_it(monkeypatch):
                           bytes_read=bytes_moved(256, 8192, 4, 128, "bf16"))
     assert row["tflops"] == pytest.approx(2336.0, rel=1e-3)  # 2.336 TFLOP in 1 ms
     assert "TFLOP/s" in format_row(row)
+
+
+@pytest.mark.parametrize("times,spread", [
+    ([100.0] * 20, 0.0),
+    ([100.0 + i for i in range(11)], 100.0 * (109 - 101) / 105),  # nearest rank: p10 the 2nd, p90 the 10th of 11
+    ([50.0] + [100.0] * 8 + [400.0], 50.0),  # one outlier each side of 10 reps: p10 is the low one, p90 not the high
+    ([30.0 + 10 * i for i in range(10)], 100.0 * (110 - 30) / 75),
+    ([7.0], 0.0),
+])
+def test_spread_is_p90_minus_p10_over_the_median(times, spread):
+    assert timing.spread_pct(times) == pytest.approx(spread)
+
+
+def test_noisy_measurements_are_flagged(monkeypatch, capsys):
+    """A measurement whose reps spread past NOISY_SPREAD_PCT says so on its line and in the summary; a steady one
+    does not (run 57: the reps of one call swung from 33 to 420 us on a disturbed host)."""
+    reps = {"steady": [100.0, 101.0, 99.0, 100.0, 100.5], "noisy": [33.0, 76.0, 41.0, 420.0, 38.0, 60.0, 35.0]}
+    args = argparse.Namespace(q_len=1, heads=16, reps=7, check=False)
+    b = measure.Bench(args=args, spec=None, device="cpu", flush=None, ceiling_gbps=4000.0, peers=[])
+    rows = []
+    for impl, times in (("bf16", reps["steady"]), ("fp8", reps["noisy"])):
+        monkeypatch.setattr(timing, "time_call_us", lambda fn, times=times, **_: list(times))
+        case = Case("4x1024", (1024,) * 4)
+        rows.append(measure.measure(b, measure.base_row(case, impl, "mode", args), lambda: None, reps=len(times),
+                                    bytes_read=bytes_moved(4, 1024, 1, 16, impl)))
+    assert rows[0]["spread_pct"] < timing.NOISY_SPREAD_PCT < rows[1]["spread_pct"]
+    assert "NOISY" not in format_row(rows[0]) and "NOISY" in format_row(rows[1])
+    assert report.noisy_rows(rows) == ["4x1024/fp8"]
+    report.print_summary(rows, [Case("4x1024", (1024,) * 4)], 4000.0, args)
+    assert "NOISY timings" in capsys.readouterr().out
 
 
 def fake_row(impl, heads, q_len, label, time_us):
