@@ -15,7 +15,7 @@ from mla_bench.baselines import BASELINE_MAX_REPS, BASELINES
 from mla_bench.cases import Case, splits_for
 from mla_bench.jsonio import git_commit
 from mla_bench.peers import AITER, Peer
-from mla_bench.timing import FLUSH_BYTES, NOISY_SPREAD_PCT, WARMUP_CALLS
+from mla_bench.timing import FLUSH_BYTES, NOISY_SPREAD_PCT, WARMUP_CALLS, is_noisy
 
 # Column order of the tables: each FlashMLA kernel beside the modes it compares with, then the other peers.
 IMPL_ORDER = ("bf16", peer_lib.FLASHMLA_BF16, "fp8", "a8w8", peer_lib.FLASHMLA_FP8, "mxfp4", *peer_lib.FLASHINFER,
@@ -30,7 +30,7 @@ def format_row(row: dict) -> str:
     if row.get("error"):
         return f"{head} {'FAILED' if row['kind'] == 'mode' else 'unavailable'}: {row['error']}"
     text = f"{head} {row['time_us']:9.1f} us (min {row['min_us']:9.1f})"
-    if row.get("spread_pct", 0.0) > NOISY_SPREAD_PCT:
+    if is_noisy(row):
         text += f" NOISY ({row['spread_pct']:.0f}% spread)"
     if "gbps" in row:
         text += f" {row['gbps']:6.0f} GB/s {row['pct_ceiling']:5.1f}%"
@@ -50,7 +50,7 @@ def format_row(row: dict) -> str:
 
 def noisy_rows(rows: list[dict]) -> list[str]:
     """"case/impl" of every timed row whose reps spread wider than ``NOISY_SPREAD_PCT`` (``timing.spread_pct``)."""
-    return [f"{r['case']}/{r['impl']}" for r in rows if r.get("spread_pct", 0.0) > NOISY_SPREAD_PCT]
+    return [f"{r['case']}/{r['impl']}" for r in rows if is_noisy(r)]
 
 
 def geomean(values: list[float]) -> float:

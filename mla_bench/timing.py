@@ -10,7 +10,6 @@ the GPU never waiting for the host (the calls queued behind a ``torch.cuda._slee
 from __future__ import annotations
 
 import functools
-import math
 import statistics
 import time
 
@@ -124,10 +123,14 @@ NOISY_SPREAD_PCT = 20.0
 
 
 def spread_pct(times_us: list[float]) -> float:
-    """(p90 - p10) / median of the reps, in per cent (nearest-rank percentiles; 0 for fewer than 2 reps)."""
+    """(p90 - p10) / median of the reps, in per cent (``statistics.quantiles``' inclusive deciles; 0 for fewer than
+    2 reps)."""
     if len(times_us) < 2:
         return 0.0
-    ordered = sorted(times_us)
-    at = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]  # noqa: E731
-    median = statistics.median(ordered)
-    return 100.0 * (at(0.9) - at(0.1)) / median if median > 0 else 0.0
+    deciles = statistics.quantiles(times_us, n=10, method="inclusive")
+    return 100.0 * (deciles[8] - deciles[0]) / statistics.median(times_us)
+
+
+def is_noisy(row: dict) -> bool:
+    """A timed row whose reps spread wider than ``NOISY_SPREAD_PCT``."""
+    return row.get("spread_pct", 0.0) > NOISY_SPREAD_PCT

@@ -59,9 +59,9 @@ def test_measure_adds_tflops_and_format_prints_it(monkeypatch):
 
 @pytest.mark.parametrize("times,spread", [
     ([100.0] * 20, 0.0),
-    ([100.0 + i for i in range(11)], 100.0 * (109 - 101) / 105),  # nearest rank: p10 the 2nd, p90 the 10th of 11
-    ([50.0] + [100.0] * 8 + [400.0], 50.0),  # one outlier each side of 10 reps: p10 is the low one, p90 not the high
-    ([30.0 + 10 * i for i in range(10)], 100.0 * (110 - 30) / 75),
+    ([100.0 + i for i in range(11)], 100.0 * (109 - 101) / 105),  # 11 reps: p10 and p90 are the 2nd and 10th
+    ([50.0] + [100.0] * 8 + [400.0], 100.0 * (130 - 95) / 100),  # 10 reps: deciles interpolated (inclusive)
+    ([30.0 + 10 * i for i in range(10)], 100.0 * (111 - 39) / 75),
     ([7.0], 0.0),
 ])
 def test_spread_is_p90_minus_p10_over_the_median(times, spread):
