@@ -579,3 +579,95 @@ def test_fp8_mma_takes_none_of_the_decoders_tunings(q_format):
     cfg = schedule.ws_config(H200, kv_format="fp8", q_format=q_format, fp8_mma=True)
     assert (cfg.direct_stores, cfg.ordered_decode, cfg.l2_prefetch) == (False, False, 0)
     assert schedule.ws_config(H200, kv_format="fp8", q_format=q_format).direct_stores, "the decoders keep theirs"
+
+
+# ---- every role's tile step in one copy (``dynamic_stage``) ------------------------------------------------------
+
+DYN_RINGS = {"fp8": schedule.ws_ring_defaults("fp8", "bf16"), "a8w8": schedule.ws_ring_defaults("fp8", "fp8"),
+             "mxfp4-2dec": schedule.MX_RING_2D}
+
+
+def lowered_pair(mode, **kwargs):
+    """The ring's generated source with and without ``dynamic_stage`` (same config otherwise)."""
+    kv_format, q_format = MODES[mode.split("-")[0]]
+    pair = []
+    for dyn in (False, True):
+        cfg = schedule.ws_config(H200, kv_format=kv_format, q_format=q_format, dynamic_stage=dyn,
+                                 **DYN_RINGS[mode], **kwargs)
+        artifact = jit.lower(cfg, H200)
+        pair.append((cfg, artifact.kernel_source, jit.lowered_lds_bytes(artifact)))
+    return pair
+
+
+@pytest.fixture(scope="module", params=[("fp8", {}), ("a8w8", dict(causal=True, page_size=64)), ("mxfp4-2dec", {})],
+                ids=["fp8", "a8w8-causal-page64", "mxfp4-2dec"])
+def dyn_pair(request):
+    mode, kwargs = request.param
+    return lowered_pair(mode, **kwargs)
+
+
+def copier_destinations(src):
+    """The copier's cp.async destinations (shared element offsets from the ring buffer's base), in source order:
+    one Python function of (threadIdx.x, stage s, the unrolled chunk c) per cp.async, and each loop's trip count."""
+    producers = producer_code(src[src.index("__global__"):])
+    out = []
+    for m in re.finditer(r"tl::cp_async_gs_conditional<16>\(\(&\(\(\(fp8_e4_t\*\)\w+\)\[(.*?)\]\)\), \(&\(KV", producers):
+        loop = list(re.finditer(r"for \(int (c(?:_\d+)?) = 0; \1 < (\d+); \+\+\1\)", producers[: m.start()]))[-1]
+        var, trips = loop.group(1), int(loop.group(2))
+        expr = m.group(1).replace("((int)threadIdx.x)", "tx")
+        expr = re.sub(rf"\b{var}\b", "c", re.sub(r"\((tile|t)(_\d+)? & 1\)", "s", expr))
+        out.append((trips, eval(f"lambda tx, s, c: {expr}")))  # noqa: S307 (the generated code, parenthesised)
+    return out
+
+
+def test_dynamic_stage_runs_each_roles_tile_step_once(dyn_pair):
+    """With ``dynamic_stage`` the MMA warp group's score and P V wgmma, the transposer and the copier (or the
+    two-decoder ring's decode) appear once instead of once per stage, the wgmma descriptors take the stage's byte
+    offset at run time (latent codes 32 KiB, rope 4 KiB, V^T 32 KiB), and the shared memory is the same."""
+    (cfg, src, lds), (dcfg, dsrc, dlds) = dyn_pair
+    assert dcfg.name == cfg.name + "_dyn" and dcfg.shared_bytes == cfg.shared_bytes and dlds == lds
+    body, dbody = src[src.index("__global__"):], dsrc[dsrc.index("__global__"):]
+    consumer = body[: body.index("warpgroup_reg_dealloc")]
+    dconsumer = dbody[: dbody.index("warpgroup_reg_dealloc")]
+    wgmma = "tl::wgmma_ss<"
+    assert consumer.count(wgmma) == cfg.num_stages * dconsumer.count(wgmma) and dconsumer.count(wgmma) > 0
+    for stage_bytes in (32768, 4096):  # (the V^T stage is 32 KiB too)
+        assert re.search(rf"increase_descriptor_offset<int>\(desc_a(_\d+)?, \(\(t & 1\) \* {stage_bytes}\)\)",
+                         dconsumer), f"no descriptor offset of {stage_bytes} B per stage"
+    assert "increase_descriptor_offset" not in consumer, "the named-buffer ring has no run-time stage"
+    assert producer_code(body).count("mla_transpose_v_fp8(") == cfg.num_stages
+    assert producer_code(dbody).count("mla_transpose_v_fp8(") == 1
+    assert re.search(r"mla_transpose_v_fp8\(\(v_\d+\[0\] \+ \(\(uint\)\(\(t_\d+ & 1\) \* 32768\)\)\), "
+                     r"\(v_\d+\[1\] \+ \(\(uint\)\(\(t_\d+ & 1\) \* 32768\)\)\)", dbody), "transposer's stage offsets"
+    if cfg.mx_mma:  # the decoder groups' store code is one copy either way; their stage's base moves by 32 / 4 KiB
+        assert dbody.count("mla_mx_block_to_e4m3(") == body.count("mla_mx_block_to_e4m3(") == MX_BLOCKS
+        assert "* (uint)32768)" in dbody and "* (uint)4096)" in dbody
+    else:  # the copier: two cp.async loops (latent, rope) per stage, or two in all
+        assert len(copier_destinations(src)) == 2 * cfg.num_stages and len(copier_destinations(dsrc)) == 2
+
+
+def test_dynamic_stage_copier_writes_where_the_named_stages_lie():
+    """Every copier thread's cp.async destination in stage s of the one ring buffer is its destination in the named
+    stage-0 buffer plus s stages (latent 32 KiB, rope 4 KiB of fp8 codes): TileLang's swizzle of the side-by-side
+    buffer puts each stage exactly where the transposer and the wgmma descriptors' offsets expect it."""
+    (cfg, src, _), (_, dsrc, _) = lowered_pair("a8w8")
+    static, dyn = copier_destinations(src), copier_destinations(dsrc)
+    for (trips, named), (dtrips, one), stage_bytes in zip(static[:2], dyn, (32768, 4096)):
+        assert trips == dtrips
+        for tx in range(128, 256):
+            for c in range(trips):
+                for s in range(cfg.num_stages):
+                    assert one(tx, s, c) == named(tx, 0, c) + s * stage_bytes, (tx, c, s)
+    # and the named buffers' stage 1 is laid out as stage 0 (each stage its own buffer)
+    for (trips, stage0), (_, stage1) in zip(static[:2], static[2:4]):
+        assert all(stage0(tx, 0, c) == stage1(tx, 0, c) for tx in range(128, 256) for c in range(trips))
+
+
+@pytest.mark.parametrize("bad,why", [(dict(fp8_mma=False), "dynamic_stage is fp8_mma's"),
+                                     (dict(fp8_mma=True, score_ahead=True), "not score_ahead")],
+                         ids=["decoder-ring", "score-ahead"])
+def test_dynamic_stage_is_the_serial_fp8_mma_rings(bad, why):
+    with pytest.raises(ValueError, match=why):
+        WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", dynamic_stage=True, **bad)
+    with pytest.raises(ValueError, match="mx_decoders == num_stages"):
+        WSDecodeKernelConfig(kv_format="mxfp4", fp8_mma=True, fast_softmax=True, dynamic_stage=True)

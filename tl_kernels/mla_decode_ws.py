@@ -77,6 +77,18 @@ MX_WORDS = 4 * MX_BLOCKS
 MX_COLUMN_BYTES = 3 * 64 * 4
 
 
+class StageView:
+    """Stage ``s`` of a ring buffer whose stages lie side by side (``dynamic_stage``): ``view[i, c]`` is element
+    (i, c) of the stage; ``rows`` / ``cols`` is the stage's step along each axis (the other is 0)."""
+
+    def __init__(self, buf, s, rows=0, cols=0):
+        self.buf, self.s, self.rows, self.cols = buf, s, rows, cols
+
+    def __getitem__(self, idx):
+        i, c = idx
+        return self.buf[self.s * self.rows + i, self.s * self.cols + c]
+
+
 @dataclass(frozen=True)
 class WSDecodeKernelConfig:
     """Everything that changes the generated code of the warp-specialised decode kernel."""
@@ -152,6 +164,12 @@ class WSDecodeKernelConfig:
     # holds only its next tile, so each has two tiles' time per tile and the SM has two decoding warps per
     # scheduler; the ready / free protocol per stage is unchanged (one role fills a stage, as before).
     mx_decoders: int = 1
+    # ``fp8_mma``'s serial consumer: each ring operand is one shared buffer whose stages lie side by side (latent
+    # codes [64, stages x 512], stage s at + 32 KiB; rope [stages x 64, 64], + 4 KiB; V^T as before), and every role
+    # walks its tiles in one copy of its step with the stage t % stages in a register (the wgmma descriptors take
+    # the stage's offset at run time), instead of one unrolled copy per stage: fp8's ring cubin 129.0 -> 109.5 KB
+    # (ptxas, CPU box), within the SM's instruction caches. Opt-in until measured.
+    dynamic_stage: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -186,6 +204,12 @@ class WSDecodeKernelConfig:
             if self.mx_decoders not in (1, self.num_stages) or (self.mx_decoders > 1 and not self.mx_mma):
                 raise ValueError(f"mx_decoders is mx_mma's (an mxfp4 cache on fp8_mma): 1, or one decoder warp group "
                                  f"per stage ({self.num_stages}); got {self.mx_decoders}")
+            if self.dynamic_stage and (self.score_ahead or (self.mx_mma and self.mx_decoders != self.num_stages)):
+                raise ValueError("dynamic_stage is built for fp8_mma's serial consumer (not score_ahead), with an "
+                                 "mxfp4 cache one decoder warp group per stage (mx_decoders == num_stages)")
+        elif self.dynamic_stage:
+            raise ValueError("dynamic_stage is fp8_mma's (the copier's, the transposer's and the MMA warp group's "
+                             "ring of fp8 codes)")
         elif self.mx_decoders != 1:
             raise ValueError("mx_decoders is mx_mma's (fp8_mma with an mxfp4 cache)")
         elif self.p_split or self.score_ahead or self.q_stack or self.p_stack:
@@ -289,7 +313,7 @@ class WSDecodeKernelConfig:
             f"{'_idle' if self.idle_producers else ''}{'_fs' if self.fast_softmax else ''}{'_sg' if self.score_group else ''}{'_dst' if self.direct_stores else ''}{'_od' if self.ordered_decode else ''}"
             f"{'_f8mma' if self.fp8_mma else ''}{'_ps' if self.p_split else ''}{'_sa' if self.score_ahead else ''}"
             f"{'_qs' if self.q_stack else ''}{'_pst' if self.p_stack else ''}"
-            f"{f'_mxd{self.mx_decoders}' if self.mx_decoders != 1 else ''}"
+            f"{f'_mxd{self.mx_decoders}' if self.mx_decoders != 1 else ''}{'_dyn' if self.dynamic_stage else ''}"
         )
 
 
@@ -382,6 +406,24 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         all stages, so a tile's stage is static."""
         return (q_pass * k.rounds + rnd) & 1
 
+    # ``dynamic_stage``: the fp8 ring's stages side by side in one buffer per operand, at these byte steps (1-byte
+    # codes; TileLang's 128-byte swizzle lays the latent codes out in 8 KiB panels of 128 columns, so the stage of
+    # columns s * 512 .. starts s * 4 panels in).
+    dyn = cfg.dynamic_stage
+    lat_stage_bytes, rope_stage_bytes, vt_stage_bytes = block_n * KV_LORA_RANK, block_n * ROPE_DIM, KV_LORA_RANK * block_n
+
+    def lat_stage(k, s):
+        """Stage ``s``'s latent codes (a wgmma operand): its named buffer, or its columns of the one ring buffer."""
+        if dyn:
+            return k.Ring_lat_all[:, s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK]
+        return k.Ring_lat[s]
+
+    def rope_stage(k, s):
+        """Stage ``s``'s rope codes (a wgmma operand): its named buffer, or its rows of the one ring buffer."""
+        if dyn:
+            return k.Ring_rope_all[s * block_n:(s + 1) * block_n, :]
+        return k.Ring_rope[s]
+
     # ------------------------------------------------------------------------------------------- producers
 
     # A contiguous run of cache rows: a whole tile in a flat cache, else the largest run inside one page.
@@ -455,6 +497,54 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                                     vec,
                                 )
                     T.cp_async_barrier_noinc(k.ready[s])
+
+    @T.macro
+    def copy_tiles_one_copy(k):
+        """``dynamic_stage``: ``copy_tiles`` in one copy of the tile step, tile t into stage t % stages (a register)
+        through ``StageView``s of the one ring buffer per operand."""
+        T.set_max_nreg(cfg.producer_regs, 0)
+        p = k.tx - CONSUMER_THREADS
+        for q_pass in T.serial(k.num_passes):
+            prefetch_prologue(k, 0)
+            for t in T.serial(k.rounds * stages):
+                s = t % stages
+                tile_lo = k.split_lo + t * block_n
+                prefetch_ahead(k, t)
+                T.barrier_wait(k.free[s], ring_parity(k, q_pass, t // stages) ^ 1)
+                if t < k.num_tiles:
+                    for dst, col0, cols in ((StageView(k.Ring_lat_all, s, cols=KV_LORA_RANK), 0, KV_LORA_RANK),
+                                            (StageView(k.Ring_rope_all, s, rows=block_n), KV_LORA_RANK, ROPE_DIM)):
+                        per_row = cols // vec
+                        for c in T.unroll(block_n * per_row // WARP_GROUP):
+                            i = (p + c * WARP_GROUP) // per_row
+                            col = (p + c * WARP_GROUP) % per_row * vec
+                            row = cache_row(k, tile_pos(k, tile_lo, i))
+                            T.ptx_cp_async(
+                                T.access_ptr(dst[i, col], "w", vec), T.access_ptr(k.KV[row, col0 + col], "r", vec),
+                                vec,
+                            )
+                T.cp_async_barrier_noinc(k.ready[s])
+
+    @T.macro
+    def transpose_tiles_one_copy(k):
+        """``dynamic_stage``: ``transpose_tiles`` in one copy of the tile step (stage t % stages, a register; its
+        codes and V^T at the stage's byte offsets)."""
+        T.set_max_nreg(cfg.group_regs(1), 0)
+        p = k.tx - CONSUMER_THREADS - WARP_GROUP
+        k.vt_addr[0] = dequant.smem_addr(k.Ring_lat_all[0, 0])
+        k.vt_addr[1] = dequant.smem_addr(k.Vt[0, 0])
+        for q_pass in T.serial(k.num_passes):
+            for t in T.serial(k.rounds * stages):
+                s = t % stages
+                parity = ring_parity(k, q_pass, t // stages)
+                T.barrier_wait(k.ready[s], parity)
+                T.barrier_wait(k.vt_free[s], parity ^ 1)  # every slot, tile or not (see transpose_tiles)
+                if t < k.num_tiles:
+                    T.evaluate(dequant.transpose_v_fp8(k.vt_addr[0] + s * lat_stage_bytes,
+                                                       k.vt_addr[1] + s * vt_stage_bytes, p))
+                    T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
+                T.barrier_arrive(k.vt_ready[s])
+                T.barrier_arrive(k.free[s])
 
     @T.macro
     def transpose_tiles(k):
@@ -590,6 +680,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             for s in list(range(stages)):
                 k.mx_addr[2 * s] = dequant.smem_addr(k.Ring_lat[s][0, 0])
                 k.mx_addr[2 * s + 1] = dequant.smem_addr(k.Ring_rope[s][0, 0])
+        elif dyn:  # the group's own stage at index 0: its byte offset in the one ring buffer per operand
+            k.mx_addr[0] = dequant.smem_addr(k.Ring_lat_all[0, 0]) + T.cast(k.mx_stage, "uint32") * lat_stage_bytes
+            k.mx_addr[1] = dequant.smem_addr(k.Ring_rope_all[0, 0]) + T.cast(k.mx_stage, "uint32") * rope_stage_bytes
         else:  # the group's own stage (two stages: 0 or 1) at index 0
             k.mx_addr[0] = T.if_then_else(k.mx_stage == 0, dequant.smem_addr(k.Ring_lat[0][0, 0]),
                                           dequant.smem_addr(k.Ring_lat[1][0, 0]))
@@ -702,13 +795,19 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             if cfg.producer_groups == 3:
                 if k.tx < CONSUMER_THREADS + WARP_GROUP or k.tx >= CONSUMER_THREADS + 2 * WARP_GROUP:
                     decode_mx_tiles(k)
+                elif dyn:
+                    transpose_tiles_one_copy(k)
                 else:
                     transpose_tiles(k)
             elif k.tx < CONSUMER_THREADS + WARP_GROUP:
                 if cfg.mx_mma:
                     decode_mx_tiles(k)
+                elif dyn:
+                    copy_tiles_one_copy(k)
                 else:
                     copy_tiles(k)
+            elif dyn:
+                transpose_tiles_one_copy(k)
             else:
                 transpose_tiles(k)
         elif decodes:
@@ -835,14 +934,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def issue_scores(k, s):
         """S^T = K Q^T of the tile in stage ``s``: two wgmma groups (latent, rope), not waited for."""
         if cfg.q_stack:  # both Q terms' scores in one accumulator of 2 x block_m columns
-            T.wgmma_gemm(k.Ring_lat[s], k.Q_lat, k.acc_s2, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(k.Ring_rope[s], k.Q_rope, k.acc_s2, transpose_B=True)
+            T.wgmma_gemm(lat_stage(k, s), k.Q_lat, k.acc_s2, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(rope_stage(k, s), k.Q_rope, k.acc_s2, transpose_B=True)
         else:
-            T.wgmma_gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
+            T.wgmma_gemm(lat_stage(k, s), k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(rope_stage(k, s), k.Q_rope, k.acc_s, transpose_B=True)
             if cfg.q_split:  # the lo term's scores
-                T.wgmma_gemm(k.Ring_lat[s], k.Q_lat_lo, k.acc_s_lo, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(k.Ring_rope[s], k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
+                T.wgmma_gemm(lat_stage(k, s), k.Q_lat_lo, k.acc_s_lo, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(rope_stage(k, s), k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
 
     @T.macro
     def issue_pv(k, s):
@@ -930,11 +1029,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             issue_scores(k, s)
             T.wait_wgmma(0)
         else:
-            T.gemm(k.Ring_lat[s], k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
-            T.gemm(k.Ring_rope[s], k.Q_rope, k.acc_s, transpose_B=True)
+            T.gemm(lat_stage(k, s), k.Q_lat, k.acc_s, transpose_B=True, clear_accum=True)
+            T.gemm(rope_stage(k, s), k.Q_rope, k.acc_s, transpose_B=True)
             if cfg.q_split:
-                T.gemm(k.Ring_lat[s], k.Q_lat_lo, k.acc_s_lo, transpose_B=True, clear_accum=True)
-                T.gemm(k.Ring_rope[s], k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
+                T.gemm(lat_stage(k, s), k.Q_lat_lo, k.acc_s_lo, transpose_B=True, clear_accum=True)
+                T.gemm(rope_stage(k, s), k.Q_rope_lo, k.acc_s_lo, transpose_B=True)
         if fp8_mma:
             T.barrier_arrive(k.free[s])  # the codes are read (P V reads V^T): the copier may refill the stage
         probabilities(k, s, tile_lo, horizon, score_scale, column_slot(s, parity) if cfg.mx_mma else None)
@@ -1001,6 +1100,21 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                         T.barrier_arrive(k.free[s])
                 else:
                     T.barrier_arrive(k.free[s])
+
+    @T.macro
+    def attend_one_copy(k, q_pass, horizon, score_scale):
+        """``dynamic_stage``: one pass's slots t = 0 .. rounds x stages - 1 in one copy of the tile step, stage
+        t % stages (a register). A slot without a tile releases its codes and takes the V^T ring's handshake."""
+        for t in T.serial(k.rounds * stages):
+            s = t % stages
+            parity = ring_parity(k, q_pass, t // stages)
+            T.barrier_wait(k.ready[s], parity)
+            if t < k.num_tiles:
+                attend_tile(k, s, k.split_lo + t * block_n, horizon, score_scale, parity)
+            else:
+                T.barrier_arrive(k.free[s])
+                T.barrier_wait(k.vt_ready[s], parity)
+                T.barrier_arrive(k.vt_free[s])
 
     @T.macro
     def write_pass(k, q_pass, out_scale):
@@ -1098,6 +1212,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 attend_overlapped(k, q_pass, horizon, score_scale)
             elif cfg.score_ahead:
                 attend_ahead(k, q_pass, horizon, score_scale)
+            elif dyn:
+                attend_one_copy(k, q_pass, horizon, score_scale)
             else:
                 if cfg.ordered_decode and cfg.l2_prefetch:
                     prefetch_prologue(k, stages)
@@ -1136,8 +1252,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     def cta_state(k, split_id, seq_id, kv_indptr, num_splits):
         """The CTA's ring, barriers and per-CTA scalars (registers), shared by both programs."""
-        k.Ring_lat = [T.alloc_shared([block_n, KV_LORA_RANK], ring_dtype) for _ in range(stages)]
-        k.Ring_rope = [T.alloc_shared([block_n, ROPE_DIM], ring_dtype) for _ in range(stages)]
+        if dyn:  # the stages side by side: latent codes along the columns, rope along the rows
+            k.Ring_lat_all = T.alloc_shared([block_n, stages * KV_LORA_RANK], ring_dtype)
+            k.Ring_rope_all = T.alloc_shared([stages * block_n, ROPE_DIM], ring_dtype)
+        else:
+            k.Ring_lat = [T.alloc_shared([block_n, KV_LORA_RANK], ring_dtype) for _ in range(stages)]
+            k.Ring_rope = [T.alloc_shared([block_n, ROPE_DIM], ring_dtype) for _ in range(stages)]
         if fp8_mma:
             # V^T of every stage in one buffer (stage s: rows s * 512 ..): TileLang's planner places equal-sized
             # buffers in an order that varies from run to run, and with four of them (two ring stages, two V^T

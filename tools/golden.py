@@ -119,7 +119,14 @@ def golden_variants(target: str, only: str = "all") -> list:
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", score_ahead=True, **f8mma),
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, score_ahead=True, **f8mma),
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", score_ahead=True, **f8mma),
-        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", score_ahead=True, p_split=True, **f8mma))
+        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", score_ahead=True, p_split=True, **f8mma),
+        # every role's tile step in one copy (``dynamic_stage``): fp8 and a8w8's default rings, causal over pages of
+        # 64, and mxfp4's two-decoder ring
+        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", dynamic_stage=True,
+                           **schedule.ws_ring_defaults("fp8", "bf16")),
+        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, dynamic_stage=True,
+                           **schedule.ws_ring_defaults("fp8", "fp8")),
+        schedule.ws_config(spec, kv_format="mxfp4", dynamic_stage=True, **schedule.MX_RING_2D))
     for kv_format in ("fp8", "mxfp4"):
         for mode in ("bench", "check"):
             add(("stream", schedule.ws_config(spec, kv_format=kv_format), mode))

@@ -66,6 +66,12 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "f8mmapst": dict(fp8_mma=True, p_split=True, p_stack=True),  # P's two terms in one P V wgmma group
     "f8mmaqpst": dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True),  # both
     "mxd2": schedule.MX_RING_2D,  # mxfp4: two decoder warp groups, one per stage, on f8mmaqpst's ring
+    # every role's tile step in one copy, the stage in a register (``dynamic_stage``): fp8's and a8w8's default rings
+    # (bf16 Q: f8mmaqpst; a8w8: f8mmapst), a8w8 with three stages, mxfp4's two-decoder ring
+    "f8mmaqpstdyn": dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True, dynamic_stage=True),
+    "f8mmapstdyn": dict(fp8_mma=True, p_split=True, p_stack=True, dynamic_stage=True),
+    "f8mma3pstdyn": dict(fp8_mma=True, num_stages=3, p_split=True, p_stack=True, dynamic_stage=True),
+    "mxd2dyn": dict(schedule.MX_RING_2D, dynamic_stage=True),
     # the MMA warp group one score ahead (S(t + 1) in flight during the softmax of t)
     "f8sa": dict(fp8_mma=True, score_ahead=True),
     "f8saps": dict(fp8_mma=True, score_ahead=True, p_split=True),
