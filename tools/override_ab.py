@@ -24,7 +24,21 @@ from mla.constants import MODES  # noqa: E402
 from mla.target import spec_for_name  # noqa: E402
 
 SHAPES = "4x1024,4x8192,32x1024,32x8192,64x1024,64x8192,256x1024,256x8192"
-BOOL_FIELDS = {"deferred_sum", "fast_softmax", "ws", "overlap", "fused_combine", "rows", "fast_decode"}
+
+def _bool_fields() -> set[str]:
+    """The override fields that take 0 / 1 as booleans: the op's own switches and every bool field of the kernel
+    configs (so ``fp8_mma=1`` builds the same config, name and cache key as ``fp8_mma=True``)."""
+    import dataclasses
+
+    from tl_kernels.mla_decode import DecodeKernelConfig
+    from tl_kernels.mla_decode_ws import WSDecodeKernelConfig
+
+    fields = {f.name for cls in (DecodeKernelConfig, WSDecodeKernelConfig) for f in dataclasses.fields(cls)
+              if f.type in (bool, "bool")}
+    return fields | {"deferred_sum", "fast_softmax", "ws", "overlap", "fused_combine", "rows", "fast_decode"}
+
+
+BOOL_FIELDS = _bool_fields()
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:
@@ -82,9 +96,10 @@ def run(args) -> list[dict]:
                 torch.cuda.synchronize()
                 err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
                 ok = bool(torch.isfinite(out.float()).all()) and err < 2e-2
-                t = statistics.median(time_call_us(fn, reps=args.reps, warmup=3, flush=flush))
+                times = time_call_us(fn, reps=args.reps, warmup=3, flush=flush)
+                t = statistics.median(times)
                 rows.append(dict(batch=batch, kv_len=kv_len, mode=mode, variant=name, overrides=ov, time_us=t,
-                                 rel_l2=err, ok=ok))
+                                 min_us=min(times), rel_l2=err, ok=ok))
                 line.append(f"{t:10.1f}{'  ' if ok else ' !'}")
             print(f"{batch:4d}x{kv_len:<5d}{mode:>5s} " + " ".join(line), flush=True)
         del data
