@@ -82,13 +82,33 @@ def fp8_mma_ring_run47(num_tiles, passes):
     return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
 
 
+def fp8_mma_vt_ring(num_tiles, passes, stages=3, vt_stages=2):
+    """``fp8_mma`` with ``dynamic_stage`` and ``vt_stages``: slot G = pass x slots per pass + t (slots per pass:
+    rounds x stages) takes codes stage G % stages (parity: its round's) and V^T stage G % vt_stages (parity
+    (G // vt_stages) & 1); the roles' waits and arrivals as in ``fp8_mma_ring`` (``vt_slot``)."""
+    rounds = -(-num_tiles // stages)
+    copier, transposer, consumer = [], [], []
+    for q_pass in range(passes):
+        for t in range(rounds * stages):
+            g = q_pass * rounds * stages + t
+            s, p = t % stages, parity(rounds, q_pass, t // stages)
+            v, vp = g % vt_stages, (g // vt_stages) & 1
+            copier += [("wait", "free", s, p ^ 1), ("arrive", "ready", s)]
+            transposer += [("wait", "ready", s, p), ("wait", "vt_free", v, vp ^ 1), ("arrive", "vt_ready", v),
+                           ("arrive", "free", s)]
+            consumer += [("wait", "ready", s, p), ("arrive", "free", s), ("wait", "vt_ready", v, vp),
+                         ("arrive", "vt_free", v)]
+    return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
+
+
 def explore(counts, programs, slots=0):
     """Depth-first search over every interleaving of ``programs`` (barrier waits and arrivals; with ``slots``, also
     the column slots' "write" / "read" / "done" events of ``mx_ring``). Returns None, or what went wrong: a state
     where some role can never move again (a hang), a write into a slot still being read, or a read that does not
     see its own tile's write."""
-    names = sorted(counts)
-    start = (tuple(0 for _ in programs), tuple((0, 0) for _ in names for _ in range(STAGES)),
+    # one barrier per (name, stage) the programs use: the rings may differ in depth (``fp8_mma_vt_ring``)
+    keys = sorted({(op[1], op[2]) for program in programs for op in program if op[0] in ("wait", "arrive")})
+    start = (tuple(0 for _ in programs), tuple((0, 0) for _ in keys),
              tuple((-1, False) for _ in range(slots)))  # per slot: (tile last written, being read)
     seen, stack = {start}, [start]
     while stack:
@@ -101,7 +121,7 @@ def explore(counts, programs, slots=0):
             new_bars, new_cols = bars, cols
             if op in ("wait", "arrive"):
                 name, s, *rest = args
-                bar = names.index(name) * STAGES + s
+                bar = keys.index((name, s))
                 phase, pending = bars[bar]
                 if op == "wait":
                     if phase & 1 == rest[0]:  # the phase of that parity has not completed (or aliased back)
@@ -147,6 +167,30 @@ def find_hang(model, num_tiles, passes):
                          ids=["decoders", "fp8_mma", "fp8_mma_score_ahead"])
 def test_every_interleaving_finishes(model, num_tiles, passes):
     assert find_hang(model, num_tiles, passes) is None
+
+
+@pytest.mark.parametrize("passes", [1, 2, 3])
+@pytest.mark.parametrize("num_tiles", [0, 1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("stages,vt_stages", [(3, 2), (4, 2), (4, 3), (2, 2), (3, 3)])
+def test_every_interleaving_finishes_with_vt_stages(stages, vt_stages, num_tiles, passes):
+    """The codes and V^T rings at different depths (``vt_stages``): no interleaving hangs, over tile counts that
+    leave tile-less slots and passes whose slot counts are not multiples of the V^T depth."""
+    assert explore(*fp8_mma_vt_ring(num_tiles, passes, stages, vt_stages)) is None
+
+
+def test_vt_ring_model_can_hang():
+    """The check can fail: the V^T barriers waited for with the codes' round parity (as if both rings had one
+    depth) while the V^T stage cycles by slot hangs."""
+    counts, (copier, _, _) = fp8_mma_vt_ring(3, 2, 3, 2)
+    transposer, consumer = [], []
+    for q_pass in range(2):
+        for t in range(3):  # one round of 3 slots per pass
+            s, p, v = t, parity(1, q_pass, 0), (q_pass * 3 + t) % 2
+            transposer += [("wait", "ready", s, p), ("wait", "vt_free", v, p ^ 1), ("arrive", "vt_ready", v),
+                           ("arrive", "free", s)]
+            consumer += [("wait", "ready", s, p), ("arrive", "free", s), ("wait", "vt_ready", v, p),
+                         ("arrive", "vt_free", v)]
+    assert explore(counts, [copier, transposer, consumer]) is not None
 
 
 def test_the_model_finds_the_hang_of_run_47():

@@ -8,6 +8,7 @@ GEMMs are wgmma; the cache is read in its compressed type; the split merge is fu
 kernel); the shared memory the schedule counts bounds what TileLang allocates. Also the schedule's choices.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -671,3 +672,46 @@ def test_dynamic_stage_is_the_serial_fp8_mma_rings(bad, why):
         WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", dynamic_stage=True, **bad)
     with pytest.raises(ValueError, match="mx_decoders == num_stages"):
         WSDecodeKernelConfig(kv_format="mxfp4", fp8_mma=True, fast_softmax=True, dynamic_stage=True)
+
+
+# ---- the V^T ring's depth apart from the codes' (``vt_stages``) ---------------------------------------------------
+
+@pytest.mark.parametrize("mode,stages", [("fp8", 3), ("a8w8", 4)])
+def test_vt_stages_walk_the_v_ring_by_slot(mode, stages):
+    """A deeper codes ring beside two V^T stages fits one CTA per SM (fp8 with bf16 Q: three codes stages; a8w8:
+    four), and the generated code takes the codes' stage from the slot's round (t % stages) and the V^T stage
+    apart from it: the transposer writes and P V reads V^T at that stage's 32 KiB offset, each V^T barrier indexed
+    by it."""
+    kv_format, q_format = MODES[mode]
+    cfg = schedule.ws_config(H200, kv_format=kv_format, q_format=q_format, num_stages=stages, vt_stages=2,
+                             dynamic_stage=True, **DYN_RINGS[mode])
+    assert f"_st{stages}_" in cfg.name and cfg.name.endswith("_dyn_vt2") and cfg.vt_depth == 2
+    artifact = jit.lower(cfg, H200)
+    lds = jit.lowered_lds_bytes(artifact)
+    assert lds <= cfg.shared_bytes <= H200.smem_bytes, (cfg.name, lds, cfg.shared_bytes)
+    three_vt = dataclasses.replace(cfg, vt_stages=0)
+    assert three_vt.shared_bytes - cfg.shared_bytes == (stages - 2) * 32768
+    body = artifact.kernel_source[artifact.kernel_source.index("__global__"):]
+    consumer, producers = body[: body.index("warpgroup_reg_dealloc")], producer_code(body)
+    codes = rf"\(t(?:_\d+)? (?:% {stages}|& {stages - 1})\)"  # t % stages (a power of two: t & (stages - 1))
+    assert re.search(rf"increase_descriptor_offset<int>\(desc_a, \({codes} \* 32768\)\)", consumer)
+    pv = re.search(r"increase_descriptor_offset<int>\(desc_a_\d+, \((v_\d+|\(t & 1\)) \* 32768\)\)", consumer)
+    assert pv, "P V's V^T descriptor not at the V^T stage's offset (slot G % 2)"
+    transpose = re.search(rf"mla_transpose_v_fp8\(\(v_\d+\[0\] \+ \(\(uint\)\({codes} \* 32768\)\)\), "
+                          r"\(v_\d+\[1\] \+ \(\(uint\)\((v_\d+|\(t_\d+ & 1\)) \* 32768\)\)\)", producers)
+    assert transpose, "the transposer's codes stage (t % stages) and V^T stage (slot G % 2)"
+    vt_index = transpose.group(1)
+    assert f"[((int64_t){vt_index})].wait(" in producers or f"[{vt_index}].wait(" in producers, (
+        "the V^T barriers indexed by the V^T stage")
+
+
+@pytest.mark.parametrize("bad,why", [(dict(dynamic_stage=False), "vt_stages is dynamic_stage's"),
+                                     (dict(vt_stages=1), "2 .. num_stages"), (dict(vt_stages=4), "2 .. num_stages")],
+                         ids=["no-dynamic-stage", "one", "deeper-than-the-codes"])
+def test_vt_stages_refusals(bad, why):
+    fields = dict(kv_format="fp8", q_format="fp8", fp8_mma=True, dynamic_stage=True, num_stages=3, vt_stages=2)
+    with pytest.raises(ValueError, match=why):
+        WSDecodeKernelConfig(**{**fields, **bad})
+    with pytest.raises(ValueError, match="vt_stages is dynamic_stage's with an fp8 cache"):
+        WSDecodeKernelConfig(kv_format="mxfp4", fp8_mma=True, fast_softmax=True, mx_decoders=2, dynamic_stage=True,
+                             vt_stages=2)

@@ -170,6 +170,11 @@ class WSDecodeKernelConfig:
     # the stage's offset at run time), instead of one unrolled copy per stage: fp8's ring cubin 129.0 -> 109.5 KB
     # (ptxas, CPU box), within the SM's instruction caches. Opt-in until measured.
     dynamic_stage: bool = False
+    # ``dynamic_stage`` with an fp8 cache: the V^T ring's depth apart from the codes' (0: num_stages). Slot G of the
+    # CTA's walk (G = pass x slots per pass + t) takes codes stage G % num_stages and V^T stage G % vt_stages, each
+    # ring with its own parity: a third 36 KiB codes stage fits beside two 32 KiB V^T stages where three of each do
+    # not (fp8 with bf16 Q: 200,704 B). tests/test_ws_protocol_cpu.py model-checks the rings' protocol.
+    vt_stages: int = 0
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -207,6 +212,12 @@ class WSDecodeKernelConfig:
             if self.dynamic_stage and (self.score_ahead or (self.mx_mma and self.mx_decoders != self.num_stages)):
                 raise ValueError("dynamic_stage is built for fp8_mma's serial consumer (not score_ahead), with an "
                                  "mxfp4 cache one decoder warp group per stage (mx_decoders == num_stages)")
+            if self.vt_stages and not (self.dynamic_stage and not self.mx_mma
+                                       and 2 <= self.vt_stages <= self.num_stages):
+                raise ValueError(f"vt_stages is dynamic_stage's with an fp8 cache: 2 .. num_stages "
+                                 f"({self.num_stages}) V^T stages, got {self.vt_stages}")
+        elif self.vt_stages:
+            raise ValueError("vt_stages is dynamic_stage's with an fp8 cache (fp8_mma)")
         elif self.dynamic_stage:
             raise ValueError("dynamic_stage is fp8_mma's (the copier's, the transposer's and the MMA warp group's "
                              "ring of fp8 codes)")
@@ -231,6 +242,11 @@ class WSDecodeKernelConfig:
     @property
     def block_m(self) -> int:
         return self.block_h
+
+    @property
+    def vt_depth(self) -> int:
+        """``fp8_mma``: stages of the V^T ring (``vt_stages``, else num_stages)."""
+        return self.vt_stages or self.num_stages
 
     @property
     def q_split(self) -> bool:
@@ -293,7 +309,7 @@ class WSDecodeKernelConfig:
         the lowered kernel's ``dyn_shared_memory_buf``."""
         kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
         if self.fp8_mma:  # 1-byte operands; per stage the codes and their V^T
-            ring = self.num_stages * (kib(self.block_n * QK_DIM) + kib(self.block_n * KV_LORA_RANK))
+            ring = self.num_stages * kib(self.block_n * QK_DIM) + self.vt_depth * kib(self.block_n * KV_LORA_RANK)
             q_terms = 2 if self.q_split else 1
             mx = kib(2 * self.num_stages * MX_COLUMN_BYTES) + kib(4 * 2 * dequant.MX_TABLES) if self.mx_mma else 0
             p_terms = 2 if self.p_split else 1
@@ -314,6 +330,7 @@ class WSDecodeKernelConfig:
             f"{'_f8mma' if self.fp8_mma else ''}{'_ps' if self.p_split else ''}{'_sa' if self.score_ahead else ''}"
             f"{'_qs' if self.q_stack else ''}{'_pst' if self.p_stack else ''}"
             f"{f'_mxd{self.mx_decoders}' if self.mx_decoders != 1 else ''}{'_dyn' if self.dynamic_stage else ''}"
+            f"{f'_vt{self.vt_stages}' if self.vt_stages and self.vt_stages != self.num_stages else ''}"
         )
 
 
@@ -411,6 +428,27 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     # columns s * 512 .. starts s * 4 panels in).
     dyn = cfg.dynamic_stage
     lat_stage_bytes, rope_stage_bytes, vt_stage_bytes = block_n * KV_LORA_RANK, block_n * ROPE_DIM, KV_LORA_RANK * block_n
+
+    vt_split = cfg.vt_depth != stages  # V^T stage and parity from the slot G, apart from the codes'
+
+    # (Plain functions, not assignments inside the macros: an assignment there binds a named variable, which would
+    # change the generated code of the rings without ``vt_stages``.)
+    def vt_stage(k, q_pass, t, s):
+        """The V^T stage of slot t of pass ``q_pass``: with ``vt_stages``, slot G = q_pass x slots per pass + t takes
+        stage G % vt_stages; else the codes' stage ``s``."""
+        return (q_pass * k.rounds * stages + t) % cfg.vt_depth if vt_split else s
+
+    def vt_parity(k, q_pass, t, parity):
+        """The parity of that V^T stage's barriers: (G // vt_stages) & 1; else the codes' ``parity``."""
+        return ((q_pass * k.rounds * stages + t) // cfg.vt_depth) & 1 if vt_split else parity
+
+    def vt_region(k, v):
+        """V^T stage ``v`` (a wgmma operand: 512 rows of the V^T ring)."""
+        return k.Vt[v * KV_LORA_RANK:(v + 1) * KV_LORA_RANK, :]
+
+    def either(override, value):
+        """``override`` where given (``attend_tile``'s V^T stage and parity), else ``value``."""
+        return value if override is None else override
 
     def lat_stage(k, s):
         """Stage ``s``'s latent codes (a wgmma operand): its named buffer, or its columns of the one ring buffer."""
@@ -538,12 +576,13 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 s = t % stages
                 parity = ring_parity(k, q_pass, t // stages)
                 T.barrier_wait(k.ready[s], parity)
-                T.barrier_wait(k.vt_free[s], parity ^ 1)  # every slot, tile or not (see transpose_tiles)
+                # every slot, tile or not (see transpose_tiles)
+                T.barrier_wait(k.vt_free[vt_stage(k, q_pass, t, s)], vt_parity(k, q_pass, t, parity) ^ 1)
                 if t < k.num_tiles:
                     T.evaluate(dequant.transpose_v_fp8(k.vt_addr[0] + s * lat_stage_bytes,
-                                                       k.vt_addr[1] + s * vt_stage_bytes, p))
+                                                       k.vt_addr[1] + vt_stage(k, q_pass, t, s) * vt_stage_bytes, p))
                     T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
-                T.barrier_arrive(k.vt_ready[s])
+                T.barrier_arrive(k.vt_ready[vt_stage(k, q_pass, t, s)])
                 T.barrier_arrive(k.free[s])
 
     @T.macro
@@ -1021,9 +1060,10 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.acc_o[d, r] += k.acc_o2[d, r]
 
     @T.macro
-    def attend_tile(k, s, tile_lo, horizon, score_scale, parity=None):
+    def attend_tile(k, s, tile_lo, horizon, score_scale, parity=None, vt_s=None, vt_p=None):
         """Scores, online-softmax step and P V for the tile in stage ``s`` (``parity``: its round's, for
-        ``fp8_mma``'s V^T wait)."""
+        ``fp8_mma``'s V^T wait; ``vt_s`` / ``vt_p``: the V^T stage and parity where ``vt_stages`` sets them
+        apart)."""
         # S^T = K Q^T over 512 latent + 64 rope dims.
         if cfg.score_group:
             issue_scores(k, s)
@@ -1046,14 +1086,14 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         store_p(k)
         # O^T += V^T P^T.
         if fp8_mma:
-            T.barrier_wait(k.vt_ready[s], parity)
+            T.barrier_wait(k.vt_ready[either(vt_s, s)], either(vt_p, parity))
             if cfg.p_stack:  # both P terms, side by side
-                T.gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared, k.acc_o2, transpose_B=True)
+                T.gemm(vt_region(k, either(vt_s, s)), k.P_shared, k.acc_o2, transpose_B=True)
             else:
-                T.gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared, k.acc_o, transpose_B=True)
+                T.gemm(vt_region(k, either(vt_s, s)), k.P_shared, k.acc_o, transpose_B=True)
             if cfg.p_split and not cfg.p_stack:  # P's lo term into the same accumulator
-                T.gemm(k.Vt[s * KV_LORA_RANK:(s + 1) * KV_LORA_RANK, :], k.P_shared_lo, k.acc_o, transpose_B=True)
-            T.barrier_arrive(k.vt_free[s])
+                T.gemm(vt_region(k, either(vt_s, s)), k.P_shared_lo, k.acc_o, transpose_B=True)
+            T.barrier_arrive(k.vt_free[either(vt_s, s)])
         else:
             T.gemm(k.Ring_lat[s], k.P_shared, k.acc_o, transpose_A=True, transpose_B=True)
 
@@ -1110,11 +1150,15 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             parity = ring_parity(k, q_pass, t // stages)
             T.barrier_wait(k.ready[s], parity)
             if t < k.num_tiles:
-                attend_tile(k, s, k.split_lo + t * block_n, horizon, score_scale, parity)
+                if vt_split:
+                    attend_tile(k, s, k.split_lo + t * block_n, horizon, score_scale, parity,
+                                vt_stage(k, q_pass, t, s), vt_parity(k, q_pass, t, parity))
+                else:
+                    attend_tile(k, s, k.split_lo + t * block_n, horizon, score_scale, parity)
             else:
                 T.barrier_arrive(k.free[s])
-                T.barrier_wait(k.vt_ready[s], parity)
-                T.barrier_arrive(k.vt_free[s])
+                T.barrier_wait(k.vt_ready[vt_stage(k, q_pass, t, s)], vt_parity(k, q_pass, t, parity))
+                T.barrier_arrive(k.vt_free[vt_stage(k, q_pass, t, s)])
 
     @T.macro
     def write_pass(k, q_pass, out_scale):
@@ -1263,12 +1307,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             # buffers in an order that varies from run to run, and with four of them (two ring stages, two V^T
             # stages) its barrier placement varied with it. The transposer's addresses assume the swizzles wgmma
             # infers for these operands (128-byte for the codes, 64-byte for V^T; test_ws_structure checks them).
-            k.Vt = T.alloc_shared([stages * KV_LORA_RANK, block_n], ring_dtype)
+            k.Vt = T.alloc_shared([cfg.vt_depth * KV_LORA_RANK, block_n], ring_dtype)
             if cfg.mx_mma:
                 k.mx_table = T.alloc_shared([2 * dequant.MX_TABLES], "uint32")
                 k.mx_cols = T.alloc_shared([2 * stages * MX_COLUMN_BYTES // 4], f32)
-            k.vt_ready = T.alloc_barrier([WARP_GROUP] * stages)
-            k.vt_free = T.alloc_barrier([CONSUMER_THREADS] * stages)
+            k.vt_ready = T.alloc_barrier([WARP_GROUP] * cfg.vt_depth)
+            k.vt_free = T.alloc_barrier([CONSUMER_THREADS] * cfg.vt_depth)
         k.ready = T.alloc_barrier([ready_count] * stages)
         # "free": the MMA warp group's release of a stage (fp8_mma: and the transposer's, once both read the codes)
         k.free = T.alloc_barrier([CONSUMER_THREADS + (WARP_GROUP if fp8_mma else 0)] * stages)

@@ -72,6 +72,11 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "f8mmapstdyn": dict(fp8_mma=True, p_split=True, p_stack=True, dynamic_stage=True),
     "f8mma3pstdyn": dict(fp8_mma=True, num_stages=3, p_split=True, p_stack=True, dynamic_stage=True),
     "mxd2dyn": dict(schedule.MX_RING_2D, dynamic_stage=True),
+    # and the V^T ring at two stages beside three or four codes stages (``vt_stages``)
+    "f8mma3v2qpstdyn": dict(fp8_mma=True, num_stages=3, vt_stages=2, p_split=True, q_stack=True, p_stack=True,
+                            dynamic_stage=True),
+    "f8mma3v2pstdyn": dict(fp8_mma=True, num_stages=3, vt_stages=2, p_split=True, p_stack=True, dynamic_stage=True),
+    "f8mma4v2pstdyn": dict(fp8_mma=True, num_stages=4, vt_stages=2, p_split=True, p_stack=True, dynamic_stage=True),
     # the MMA warp group one score ahead (S(t + 1) in flight during the softmax of t)
     "f8sa": dict(fp8_mma=True, score_ahead=True),
     "f8saps": dict(fp8_mma=True, score_ahead=True, p_split=True),
