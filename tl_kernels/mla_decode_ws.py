@@ -175,6 +175,12 @@ class WSDecodeKernelConfig:
     # ring with its own parity: a third 36 KiB codes stage fits beside two 32 KiB V^T stages where three of each do
     # not (fp8 with bf16 Q: 200,704 B). tests/test_ws_protocol_cpu.py model-checks the rings' protocol.
     vt_stages: int = 0
+    # ``fp8_mma`` with bf16 Q: each MMA thread loads its 72 dims of the pass's Q rows once, as nine 16-byte vectors
+    # into registers (one memory round trip), and takes the row amax and the two e4m3 terms from them. The element
+    # loops before issued 8 two-byte loads per round trip for the amax (9 round trips) and then reloaded Q for the
+    # terms: SASS shows ~40 dependent round trips per pass before the first score wgmma (run 60: the ring kernel's
+    # fixed cost, ~29 µs of a one-tile call).
+    q_registers: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -203,6 +209,8 @@ class WSDecodeKernelConfig:
                                  "ordered_decode and idle_producers must be off")
             if self.p_stack and (not self.p_split or self.score_ahead):
                 raise ValueError("p_stack stacks p_split's two P terms (p_split), without score_ahead")
+            if self.q_registers and self.q_format != "bf16":
+                raise ValueError("q_registers loads bf16 Q's rows for its two e4m3 terms (q_format 'bf16')")
             if self.q_stack and (self.q_format != "bf16" or self.score_ahead or not self.score_group):
                 raise ValueError("q_stack stacks bf16 Q's two e4m3 terms (q_format 'bf16'), in score_group's one "
                                  "wgmma group, without score_ahead")
@@ -218,6 +226,8 @@ class WSDecodeKernelConfig:
                                  f"({self.num_stages}) V^T stages, got {self.vt_stages}")
         elif self.vt_stages:
             raise ValueError("vt_stages is dynamic_stage's with an fp8 cache (fp8_mma)")
+        elif self.q_registers:
+            raise ValueError("q_registers is fp8_mma's with bf16 Q (Q's two e4m3 terms)")
         elif self.dynamic_stage:
             raise ValueError("dynamic_stage is fp8_mma's (the copier's, the transposer's and the MMA warp group's "
                              "ring of fp8 codes)")
@@ -330,6 +340,7 @@ class WSDecodeKernelConfig:
             f"{'_f8mma' if self.fp8_mma else ''}{'_ps' if self.p_split else ''}{'_sa' if self.score_ahead else ''}"
             f"{'_qs' if self.q_stack else ''}{'_pst' if self.p_stack else ''}"
             f"{f'_mxd{self.mx_decoders}' if self.mx_decoders != 1 else ''}{'_dyn' if self.dynamic_stage else ''}"
+            f"{'_qr' if self.q_registers else ''}"
             f"{f'_vt{self.vt_stages}' if self.vt_stages and self.vt_stages != self.num_stages else ''}"
         )
 
@@ -870,16 +881,57 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         hi = T.cast(x, ring_dtype)
         return hi, T.cast((x - T.cast(hi, f32)) * Q_SPLIT_LO, ring_dtype)
 
+    q_seg = QK_DIM // 8  # ``load_q_split``: a thread's dims of its Q row
+
+    @T.macro
+    def load_q_registers(k, q_pass):
+        """``q_registers``: thread t's 72 dims of row t / 8 (its segment t % 8) as nine 16-byte vectors into
+        ``q_regs`` (all in flight at once), its partial amax from them."""
+        qi = T.min(k.q_begin + q_pass, total_q - 1)  # (a pass's query is the sequence's: q_pass < q_len)
+        for v in T.unroll(q_seg // 8):
+            for e in T.vectorized(8):
+                k.q_regs[v * 8 + e] = k.Q[qi, k.hg * block_h + k.tx % CONSUMER_THREADS // 8,
+                                          k.tx % 8 * q_seg + v * 8 + e]
+        k.q_max[0] = 0
+        for i in T.unroll(q_seg):
+            k.q_max[0] = T.max(k.q_max[0], T.abs(T.cast(k.q_regs[i], f32)))
+
+    @T.macro
+    def q_terms_from_registers(k):
+        """``q_registers``: the thread's 72 dims as hi / lo e4m3 terms (``Q_SPLIT_LO``) under the row's scale, into
+        shared memory (latent dims into Q_lat, rope dims into Q_rope)."""
+        row, seg = k.tx % CONSUMER_THREADS // 8, k.tx % 8
+        for i in T.unroll(q_seg):
+            x = T.cast(k.q_regs[i], f32) * k.q_row_scale[row]
+            hi = T.cast(x, ring_dtype)
+            lo = T.cast((x - T.cast(hi, f32)) * Q_SPLIT_LO, ring_dtype)
+            d = seg * q_seg + i
+            if d < KV_LORA_RANK:
+                k.Q_lat[row, d] = hi
+                if cfg.q_stack:  # (hi rows, then lo rows)
+                    k.Q_lat[block_m + row, d] = lo
+                else:
+                    k.Q_lat_lo[row, d] = lo
+            else:
+                k.Q_rope[row, d - KV_LORA_RANK] = hi
+                if cfg.q_stack:
+                    k.Q_rope[block_m + row, d - KV_LORA_RANK] = lo
+                else:
+                    k.Q_rope_lo[row, d - KV_LORA_RANK] = lo
+
     @T.macro
     def load_q_split(k, q_pass):
         """``q_split``: each Q row's amax, its power-of-two scale (the inverse kept in shared memory for the scores,
         ``q_row_factor``), and the row as hi / lo e4m3 terms (``Q_SPLIT_LO``)."""
         # amax per row: thread t takes 72 dims of row t / 8, the 8 partial maxima meet in shared memory
         row, seg = k.tx // 8, k.tx % 8
-        k.q_max[0] = 0
-        for i in T.serial(QK_DIM // 8):
-            k.q_max[0] = T.max(k.q_max[0], T.abs(T.cast(q_value(k, None, q_pass, k.hg * block_h + row,
-                                                                 seg * (QK_DIM // 8) + i), f32)))
+        if cfg.q_registers:
+            load_q_registers(k, q_pass)
+        else:
+            k.q_max[0] = 0
+            for i in T.serial(QK_DIM // 8):
+                k.q_max[0] = T.max(k.q_max[0], T.abs(T.cast(q_value(k, None, q_pass, k.hg * block_h + row,
+                                                                     seg * (QK_DIM // 8) + i), f32)))
         k.q_partial[k.tx] = k.q_max[0]
         T.sync_threads(1, CONSUMER_THREADS)
         if seg == 0:  # amax_r into [2^7, 2^8): exact powers of two (an all-zero row: any)
@@ -889,7 +941,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.q_row_factor[row] = T.exp2(k.q_max[0] - Q_SPLIT_TOP)
             k.q_row_scale[row] = T.exp2(Q_SPLIT_TOP - k.q_max[0])
         T.sync_threads(1, CONSUMER_THREADS)
-        if cfg.q_stack:  # hi in rows 0..block_m - 1, lo in the next block_m
+        if cfg.q_registers:
+            q_terms_from_registers(k)
+        elif cfg.q_stack:  # hi in rows 0..block_m - 1, lo in the next block_m
             for r, d in T.Parallel(block_m, KV_LORA_RANK):
                 k.Q_lat[r, d], k.Q_lat[block_m + r, d] = q_terms(k, q_pass, r, d)
             for r, d in T.Parallel(block_m, ROPE_DIM):
@@ -1371,6 +1425,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.q_row_scale = T.alloc_shared([block_m], f32)  # each row's Q scale
             k.q_partial = T.alloc_shared([CONSUMER_THREADS], f32)  # partial row maxima of |Q|
             k.q_max = T.alloc_local([1], f32)
+            if cfg.q_registers:
+                k.q_regs = T.alloc_local([QK_DIM // 8], bf16)  # the thread's 72 dims of its Q row
             k.acc_s_lo = T.alloc_fragment([block_n, block_m], f32)  # S^T of the lo term
             if cfg.q_stack:
                 k.acc_s2 = T.alloc_fragment([block_n, 2 * block_m], f32)  # S^T of both terms, side by side
