@@ -715,3 +715,33 @@ def test_vt_stages_refusals(bad, why):
     with pytest.raises(ValueError, match="vt_stages is dynamic_stage's with an fp8 cache"):
         WSDecodeKernelConfig(kv_format="mxfp4", fp8_mma=True, fast_softmax=True, mx_decoders=2, dynamic_stage=True,
                              vt_stages=2)
+
+
+# ---- bf16 Q's rows in one load round trip (``q_registers``) -------------------------------------------------------
+
+@pytest.mark.parametrize("q_stack", [True, False], ids=["q-stack", "terms-apart"])
+def test_q_registers_load_each_q_row_once_as_vectors(q_stack):
+    """Each MMA thread loads its 72 dims of the pass's Q row as nine 16-byte vectors (one unrolled loop of uint4
+    loads, no element loads of Q), reduces the row amax from those registers, and writes both e4m3 terms of all 72
+    dims into shared memory (Q_lat / Q_rope; with q_stack hi rows then lo rows) from them."""
+    ring = dict(fp8_mma=True, p_split=True, q_stack=q_stack, p_stack=q_stack)
+    cfg = schedule.ws_config(H200, kv_format="fp8", q_format="bf16", q_registers=True, **ring)
+    assert cfg.name.endswith("_qr")
+    src = jit.lower(cfg, H200).kernel_source
+    body = src[src.index("__global__"):]
+    consumer = body[: body.index("warpgroup_reg_dealloc")]
+    loads = re.findall(r"\*\(uint4\*\)\(Q \+ ", consumer)
+    assert len(loads) == 1 and re.search(r"for \(int v_\d+ = 0; v_\d+ < 9; \+\+v_\d+\)", consumer), (
+        "Q not loaded as one loop of nine 16-byte vectors")
+    assert not re.search(r"\bQ\[", consumer), "an element load of Q beside the vectors"
+    plain = jit.lower(dataclasses.replace(cfg, q_registers=False), H200).kernel_source
+    assert re.search(r"\bQ\[", plain), "the element loads q_registers replaces"
+    # the terms: per dim a hi and a lo store (72 dims, unrolled), under the row's scale
+    assert re.search(r"for \(int i_\d+ = 0; i_\d+ < 72; \+\+i_\d+\) \{\s*float x = ", consumer)
+
+
+def test_q_registers_is_bf16_qs():
+    with pytest.raises(ValueError, match="q_registers loads bf16 Q"):
+        WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", fp8_mma=True, q_registers=True)
+    with pytest.raises(ValueError, match="q_registers is fp8_mma's"):
+        WSDecodeKernelConfig(kv_format="fp8", q_registers=True)
