@@ -131,7 +131,8 @@ F8MMA = {"a8w8": WS, "fp8": WS, "mxfp4": {"ws": True, "fp8_mma": True, "p_split"
          "fp8-vt2": {"ws": True, **schedule.ws_ring_defaults("fp8", "bf16"), "dynamic_stage": True, "num_stages": 3,
                      "vt_stages": 2},
          # "-qr": bf16 Q's rows loaded once into registers (``q_registers``)
-         "fp8-qr": {"ws": True, **schedule.ws_ring_defaults("fp8", "bf16"), "q_registers": True}}
+         "fp8-qr": {"ws": True, **schedule.ws_ring_defaults("fp8", "bf16"), "q_registers": True},
+         "a8w8-qr": {"ws": True, **schedule.ws_ring_defaults("fp8", "fp8"), "q_registers": True}}
 _F8MMA_CASES = r"""
 import json, math, sys, traceback
 import torch
@@ -194,7 +195,7 @@ print("RESULT " + json.dumps(results))
 @launches(lambda modes, **_: [(mode, 16, 1, causal, page) for mode in modes.split(",") if mode in ("a8w8", "fp8")
                               for causal, page in ((False, 0), (True, 0), (False, 1), (False, 16), (False, 64))])
 @pytest.mark.parametrize("modes", ["a8w8,fp8", "mxfp4", "mxfp4-2dec", "a8w8-dyn,fp8-dyn", "mxfp4-2dec-dyn",
-                                   "a8w8-vt2,fp8-vt2", "fp8-qr"])
+                                   "a8w8-vt2,fp8-vt2", "a8w8-qr,fp8-qr"])
 def test_fp8_mma_ring_under_a_watchdog(modes):
     """a8w8, fp8 (bf16 Q) and mxfp4 (its e4m3 decoder, issue 28 step 4) on fp8 wgmma against the fp32 reference:
     the ring's boundaries and split counts, one-token splits, causal query passes, paged caches; every call twice;

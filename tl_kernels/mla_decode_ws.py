@@ -175,11 +175,12 @@ class WSDecodeKernelConfig:
     # ring with its own parity: a third 36 KiB codes stage fits beside two 32 KiB V^T stages where three of each do
     # not (fp8 with bf16 Q: 200,704 B). tests/test_ws_protocol_cpu.py model-checks the rings' protocol.
     vt_stages: int = 0
-    # ``fp8_mma`` with bf16 Q: each MMA thread loads its 72 dims of the pass's Q rows once, as nine 16-byte vectors
-    # into registers (one memory round trip), and takes the row amax and the two e4m3 terms from them. The element
-    # loops before issued 8 two-byte loads per round trip for the amax (9 round trips) and then reloaded Q for the
-    # terms: SASS shows ~40 dependent round trips per pass before the first score wgmma (run 60: the ring kernel's
-    # fixed cost, ~29 µs of a one-tile call).
+    # ``fp8_mma``: each MMA thread loads its 72 dims of the pass's Q rows once, as nine 16-byte vectors into
+    # registers (one memory round trip), and writes Q's e4m3 codes (a8w8) or, with bf16 Q, the row amax and the two
+    # e4m3 terms from them. The element loops before issued 8 two-byte loads per round trip for bf16 Q's amax (9
+    # round trips) and then reloaded Q for the terms (~30 more), and a8w8's rounding loop one 16-byte load per
+    # round trip (9): SASS, per pass before the first score wgmma (run 60: the ring kernel's fixed cost, ~29 µs of
+    # a one-tile call).
     q_registers: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
@@ -209,8 +210,6 @@ class WSDecodeKernelConfig:
                                  "ordered_decode and idle_producers must be off")
             if self.p_stack and (not self.p_split or self.score_ahead):
                 raise ValueError("p_stack stacks p_split's two P terms (p_split), without score_ahead")
-            if self.q_registers and self.q_format != "bf16":
-                raise ValueError("q_registers loads bf16 Q's rows for its two e4m3 terms (q_format 'bf16')")
             if self.q_stack and (self.q_format != "bf16" or self.score_ahead or not self.score_group):
                 raise ValueError("q_stack stacks bf16 Q's two e4m3 terms (q_format 'bf16'), in score_group's one "
                                  "wgmma group, without score_ahead")
@@ -227,7 +226,7 @@ class WSDecodeKernelConfig:
         elif self.vt_stages:
             raise ValueError("vt_stages is dynamic_stage's with an fp8 cache (fp8_mma)")
         elif self.q_registers:
-            raise ValueError("q_registers is fp8_mma's with bf16 Q (Q's two e4m3 terms)")
+            raise ValueError("q_registers is fp8_mma's (Q's e4m3 codes or terms written from registers)")
         elif self.dynamic_stage:
             raise ValueError("dynamic_stage is fp8_mma's (the copier's, the transposer's and the MMA warp group's "
                              "ring of fp8 codes)")
@@ -886,15 +885,28 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     @T.macro
     def load_q_registers(k, q_pass):
         """``q_registers``: thread t's 72 dims of row t / 8 (its segment t % 8) as nine 16-byte vectors into
-        ``q_regs`` (all in flight at once), its partial amax from them."""
+        ``q_regs``, all in flight at once (bf16 Q: and its partial amax from them)."""
         qi = T.min(k.q_begin + q_pass, total_q - 1)  # (a pass's query is the sequence's: q_pass < q_len)
         for v in T.unroll(q_seg // 8):
             for e in T.vectorized(8):
                 k.q_regs[v * 8 + e] = k.Q[qi, k.hg * block_h + k.tx % CONSUMER_THREADS // 8,
                                           k.tx % 8 * q_seg + v * 8 + e]
-        k.q_max[0] = 0
+        if cfg.q_split:
+            k.q_max[0] = 0
+            for i in T.unroll(q_seg):
+                k.q_max[0] = T.max(k.q_max[0], T.abs(T.cast(k.q_regs[i], f32)))
+
+    @T.macro
+    def q_codes_from_registers(k, q_inv):
+        """``q_registers`` with a8w8: the thread's 72 dims rounded to fp8 codes (``steps.round_q_to_fp8``, as the
+        element loop rounds them) into Q_lat / Q_rope."""
+        row, seg = k.tx % CONSUMER_THREADS // 8, k.tx % 8
         for i in T.unroll(q_seg):
-            k.q_max[0] = T.max(k.q_max[0], T.abs(T.cast(k.q_regs[i], f32)))
+            d = seg * q_seg + i
+            if d < KV_LORA_RANK:
+                k.Q_lat[row, d] = steps.round_q_to_fp8(k.q_regs[i], q_inv, cfg.fp8_dtype)
+            else:
+                k.Q_rope[row, d - KV_LORA_RANK] = steps.round_q_to_fp8(k.q_regs[i], q_inv, cfg.fp8_dtype)
 
     @T.macro
     def q_terms_from_registers(k):
@@ -960,6 +972,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         fp8 codes)."""
         if cfg.q_split:
             load_q_split(k, q_pass)
+        elif cfg.q_registers:
+            load_q_registers(k, q_pass)
+            q_codes_from_registers(k, q_inv)
         else:
             load_q_codes(k, q_pass, q_inv)
 
@@ -1425,11 +1440,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.q_row_scale = T.alloc_shared([block_m], f32)  # each row's Q scale
             k.q_partial = T.alloc_shared([CONSUMER_THREADS], f32)  # partial row maxima of |Q|
             k.q_max = T.alloc_local([1], f32)
-            if cfg.q_registers:
-                k.q_regs = T.alloc_local([QK_DIM // 8], bf16)  # the thread's 72 dims of its Q row
             k.acc_s_lo = T.alloc_fragment([block_n, block_m], f32)  # S^T of the lo term
             if cfg.q_stack:
                 k.acc_s2 = T.alloc_fragment([block_n, 2 * block_m], f32)  # S^T of both terms, side by side
+        if cfg.q_registers:
+            k.q_regs = T.alloc_local([QK_DIM // 8], bf16)  # the thread's 72 dims of its Q row
         k.last_flag = T.alloc_shared([1], "int32")
         # S^T [token, row] and O^T [dim, row]: the KV tile is the wgmma M dimension.
         k.acc_s = T.alloc_fragment([block_n, block_m], f32)

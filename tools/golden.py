@@ -138,7 +138,9 @@ def golden_variants(target: str, only: str = "all") -> list:
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", q_registers=True,
                            **schedule.ws_ring_defaults("fp8", "bf16")),
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", causal=True, page_size=64, q_registers=True,
-                           fp8_mma=True, p_split=True))
+                           fp8_mma=True, p_split=True),
+        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", q_registers=True,
+                           **schedule.ws_ring_defaults("fp8", "fp8")))
     for kv_format in ("fp8", "mxfp4"):
         for mode in ("bench", "check"):
             add(("stream", schedule.ws_config(spec, kv_format=kv_format), mode))
