@@ -695,12 +695,13 @@ def test_vt_stages_walk_the_v_ring_by_slot(mode, stages):
     consumer, producers = body[: body.index("warpgroup_reg_dealloc")], producer_code(body)
     codes = rf"\(t(?:_\d+)? (?:% {stages}|& {stages - 1})\)"  # t % stages (a power of two: t & (stages - 1))
     assert re.search(rf"increase_descriptor_offset<int>\(desc_a, \({codes} \* 32768\)\)", consumer)
-    pv = re.search(r"increase_descriptor_offset<int>\(desc_a_\d+, \((v_\d+|\(t & 1\)) \* 32768\)\)", consumer)
+    pv = re.search(r"increase_descriptor_offset<int>\(desc_a_\d+, \((vt_s|v_\d+|\(t & 1\)) \* 32768\)\)", consumer)
     assert pv, "P V's V^T descriptor not at the V^T stage's offset (slot G % 2)"
     transpose = re.search(rf"mla_transpose_v_fp8\(\(v_\d+\[0\] \+ \(\(uint\)\({codes} \* 32768\)\)\), "
-                          r"\(v_\d+\[1\] \+ \(\(uint\)\((v_\d+|\(t_\d+ & 1\)) \* 32768\)\)\)", producers)
+                          r"\(v_\d+\[1\] \+ \(\(uint\)\((.+?) \* 32768\)\)\), \(\(\(int\)threadIdx", producers)
     assert transpose, "the transposer's codes stage (t % stages) and V^T stage (slot G % 2)"
-    vt_index = transpose.group(1)
+    vt_index = transpose.group(1)  # the slot's V^T stage: G % 2 (G = pass x slots per pass + t)
+    assert not re.fullmatch(codes, vt_index) and ("& 1" in vt_index or "% 2" in vt_index), vt_index
     assert f"[((int64_t){vt_index})].wait(" in producers or f"[{vt_index}].wait(" in producers, (
         "the V^T barriers indexed by the V^T stage")
 
