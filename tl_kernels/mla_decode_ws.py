@@ -179,8 +179,9 @@ class WSDecodeKernelConfig:
     # registers (one memory round trip), and writes Q's e4m3 codes (a8w8) or, with bf16 Q, the row amax and the two
     # e4m3 terms from them. The element loops before issued 8 two-byte loads per round trip for bf16 Q's amax (9
     # round trips) and then reloaded Q for the terms (~30 more), and a8w8's rounding loop one 16-byte load per
-    # round trip (9): SASS, per pass before the first score wgmma (run 60: the ring kernel's fixed cost, ~29 µs of
-    # a one-tile call).
+    # round trip (9): SASS, per pass before the first score wgmma. Measured slower (run 60b, H100: 3-25 µs per call,
+    # most with few tiles per CTA; its 72 unrolled steps of byte stores into the swizzled Q tiles, ~40 KB of code run
+    # once per CTA): opt-in, kept as the record.
     q_registers: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
