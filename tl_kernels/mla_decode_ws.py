@@ -168,12 +168,14 @@ class WSDecodeKernelConfig:
     # codes [64, stages x 512], stage s at + 32 KiB; rope [stages x 64, 64], + 4 KiB; V^T as before), and every role
     # walks its tiles in one copy of its step with the stage t % stages in a register (the wgmma descriptors take
     # the stage's offset at run time), instead of one unrolled copy per stage: fp8's ring cubin 129.0 -> 109.5 KB
-    # (ptxas, CPU box), within the SM's instruction caches. Opt-in until measured.
+    # (ptxas, CPU box). Runs 58 / 61 (H100): equal for fp8 and a8w8, 4% faster for mxfp4's two-decoder ring
+    # (``schedule.MX_RING_2D``), which then beats the decoder ring at 256 x 8192 (552 vs 573 us). Opt-in.
     dynamic_stage: bool = False
     # ``dynamic_stage`` with an fp8 cache: the V^T ring's depth apart from the codes' (0: num_stages). Slot G of the
     # CTA's walk (G = pass x slots per pass + t) takes codes stage G % num_stages and V^T stage G % vt_stages, each
     # ring with its own parity: a third 36 KiB codes stage fits beside two 32 KiB V^T stages where three of each do
-    # not (fp8 with bf16 Q: 200,704 B). tests/test_ws_protocol_cpu.py model-checks the rings' protocol.
+    # not (fp8 with bf16 Q: 200,704 B). tests/test_ws_protocol_cpu.py model-checks the rings' protocol. Run 61
+    # (H100): no gain (fp8 1.2% faster at 256 x 8192 only, a8w8 with four codes stages 2-13% slower); opt-in.
     vt_stages: int = 0
     # ``fp8_mma``: each MMA thread loads its 72 dims of the pass's Q rows once, as nine 16-byte vectors into
     # registers (one memory round trip), and writes Q's e4m3 codes (a8w8) or, with bf16 Q, the row amax and the two
