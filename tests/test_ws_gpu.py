@@ -188,10 +188,42 @@ print("RESULT " + json.dumps(results))
 """
 
 
-# a8w8 and fp8: their default ring, prebuilt (flat, causal, paged); the opt-in kernels (mxfp4's, "-dyn") are built
-# on first use (or prebuilt by tools/ws_check.py --prebuild --check --pages 1,16,64 --modes mxfp4 --variants
-# f8mmaps,mxd2; --modes fp8,a8w8,mxfp4 --variants f8mmaqpstdyn,f8mmapstdyn,mxd2dyn; --modes fp8,a8w8 --variants
-# f8mma3v2qpstdyn,f8mma4v2pstdyn).
+WATCHDOG_LAYOUTS = ((False, 0), (True, 0), (False, 1), (False, 16), (False, 64))  # (causal, page size) the cases use
+
+
+def watchdog_configs(spec, rings):
+    """Every kernel config the watchdog child launches for ``rings`` (F8MMA's keys): per ring its overrides (the
+    default ring's where only "ws" is given) flat, causal and over pages of 1 / 16 / 64, as the op selects them
+    (``schedule.select_kernels``; tests/test_ws_structure.py checks the two agree)."""
+    configs = []
+    for ring in rings:
+        kv_format, q_format = MODE_FORMATS[ring.split("-")[0]]
+        overrides = {key: value for key, value in F8MMA[ring].items() if key != "ws"}
+        for causal, page_size in WATCHDOG_LAYOUTS:
+            problem = dict(kv_format=kv_format, q_format=q_format, causal=causal, page_size=page_size)
+            configs.append(schedule.ws_config(spec, **problem, **overrides) if overrides
+                           else schedule.ws_default_config(spec, **problem))
+    return configs
+
+
+def prebuild_rings(rings):
+    """Compile here, before the watchdog starts, every kernel the child launches for ``rings``: a compile takes
+    30-60 s on the GPU host and cannot hang, so it stays outside the watchdog, which then times the rings alone (a
+    kernel in the disk cache loads in well under a second). Without this, an opt-in ring missing from a carried
+    cache spent the watchdog's time compiling."""
+    from mla import jit
+    from mla.target import spec_for_device
+
+    spec = spec_for_device(torch.device("cuda"))
+    for cfg in watchdog_configs(spec, rings):
+        jit.get_kernel(cfg, spec)
+
+
+# a8w8 and fp8: their default ring, prebuilt (flat, causal, paged); the opt-in kernels (mxfp4's, "-dyn", "-vt2",
+# "-qr") are compiled by ``prebuild_rings`` before the watchdog starts, in 30-60 s each unless a carried cache has
+# them (tools/ws_check.py --prebuild --check --pages 1,16,64 with --modes mxfp4 --variants f8mmaps,mxd2,mxd2dyn;
+# --modes fp8 --variants f8mmaqpstdyn,f8mma3v2qpstdyn,f8mmaqpstqr; --modes a8w8 --variants
+# f8mmapstdyn,f8mma4v2pstdyn,f8mmapstqr).
 @launches(lambda modes, **_: [(mode, 16, 1, causal, page) for mode in modes.split(",") if mode in ("a8w8", "fp8")
                               for causal, page in ((False, 0), (True, 0), (False, 1), (False, 16), (False, 64))])
 @pytest.mark.parametrize("modes", ["a8w8,fp8", "mxfp4", "mxfp4-2dec", "a8w8-dyn,fp8-dyn", "mxfp4-2dec-dyn",
@@ -206,6 +238,7 @@ def test_fp8_mma_ring_under_a_watchdog(modes):
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    prebuild_rings(modes.split(","))
     try:
         proc = subprocess.run([sys.executable, "-c", _F8MMA_CASES, modes], cwd=repo, capture_output=True, text=True,
                               timeout=F8MMA_WATCHDOG_S)

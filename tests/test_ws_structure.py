@@ -747,3 +747,21 @@ def test_q_registers_load_each_q_row_once_as_vectors(q_format, q_stack):
 def test_q_registers_is_fp8_mmas():
     with pytest.raises(ValueError, match="q_registers is fp8_mma's"):
         WSDecodeKernelConfig(kv_format="fp8", q_registers=True)
+
+
+def test_watchdog_prebuild_builds_what_the_op_selects():
+    """tests/test_ws_gpu.py compiles each watchdog ring's kernels before its watchdog starts (``prebuild_rings``):
+    those configs must be the ones the op then selects for the same overrides, or the child would compile inside
+    the watchdog after all."""
+    import test_ws_gpu
+
+    rings = list(test_ws_gpu.F8MMA)
+    built = iter(test_ws_gpu.watchdog_configs(H200, rings))
+    for ring in rings:
+        kv_format, q_format = MODES[ring.split("-")[0]]
+        for causal, page_size in test_ws_gpu.WATCHDOG_LAYOUTS:
+            selected, _, _ = schedule.select_kernels(H200, kv_format=kv_format, q_format=q_format, num_heads=16,
+                                                     causal=causal, page_size=page_size, batch=4, total_q=4,
+                                                     total_kv=4000, **test_ws_gpu.F8MMA[ring])
+            expected = next(built)
+            assert selected == expected, (ring, causal, page_size, selected.name, expected.name)
