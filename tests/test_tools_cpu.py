@@ -13,7 +13,7 @@ def test_override_variants_take_every_bool_config_field_as_a_bool():
     assert (name, name2, ov2) == ("dyn", "plain", {})
     assert ov == {"ws": True, "fp8_mma": True, "dynamic_stage": True, "num_stages": 3}
     assert all(type(v) is bool for k, v in ov.items() if k != "num_stages") and type(ov["num_stages"]) is int
-    assert {"q_registers", "p_stack", "fast_decode", "split", "ws"} <= BOOL_FIELDS
+    assert {"dynamic_stage", "p_stack", "fast_decode", "split", "ws"} <= BOOL_FIELDS
     assert "num_stages" not in BOOL_FIELDS and "vt_stages" not in BOOL_FIELDS
 
 

@@ -718,37 +718,6 @@ def test_vt_stages_refusals(bad, why):
                              vt_stages=2)
 
 
-# ---- bf16 Q's rows in one load round trip (``q_registers``) -------------------------------------------------------
-
-@pytest.mark.parametrize("q_format,q_stack", [("bf16", True), ("bf16", False), ("fp8", False)],
-                         ids=["q-stack", "terms-apart", "a8w8"])
-def test_q_registers_load_each_q_row_once_as_vectors(q_format, q_stack):
-    """Each MMA thread loads its 72 dims of the pass's Q row as nine 16-byte vectors (one unrolled loop of uint4
-    loads, no element loads of Q), reduces the row amax from those registers, and writes both e4m3 terms of all 72
-    dims into shared memory (Q_lat / Q_rope; with q_stack hi rows then lo rows) from them."""
-    ring = dict(fp8_mma=True, p_split=True, q_stack=q_stack, p_stack=q_stack)
-    cfg = schedule.ws_config(H200, kv_format="fp8", q_format=q_format, q_registers=True, **ring)
-    assert cfg.name.endswith("_qr")
-    src = jit.lower(cfg, H200).kernel_source
-    body = src[src.index("__global__"):]
-    consumer = body[: body.index("warpgroup_reg_dealloc")]
-    loads = re.findall(r"\*\(uint4\*\)\(Q \+ ", consumer)
-    assert len(loads) == 1 and re.search(r"for \(int v_\d+ = 0; v_\d+ < 9; \+\+v_\d+\)", consumer), (
-        "Q not loaded as one loop of nine 16-byte vectors")
-    assert not re.search(r"\bQ\[", consumer), "an element load of Q beside the vectors"
-    plain = jit.lower(dataclasses.replace(cfg, q_registers=False), H200).kernel_source
-    assert len(re.findall(r"\*\(uint\d\*\)\(Q \+ |\bQ\[", plain)) >= 2, "the loads q_registers replaces"
-    if q_format == "bf16":  # the terms: per dim a hi and a lo store (72 dims, unrolled), under the row's scale
-        assert re.search(r"for \(int i_\d+ = 0; i_\d+ < 72; \+\+i_\d+\) \{\s*float x = ", consumer)
-    else:  # a8w8: per dim its code, rounded from the register (72 dims, unrolled)
-        assert re.search(r"for \(int i(_\d+)? = 0; i(_\d+)? < 72; \+\+i(_\d+)?\)", consumer)
-
-
-def test_q_registers_is_fp8_mmas():
-    with pytest.raises(ValueError, match="q_registers is fp8_mma's"):
-        WSDecodeKernelConfig(kv_format="fp8", q_registers=True)
-
-
 def test_watchdog_prebuild_builds_what_the_op_selects():
     """tests/test_ws_gpu.py compiles each watchdog ring's kernels before its watchdog starts (``prebuild_rings``):
     those configs must be the ones the op then selects for the same overrides, or the child would compile inside

@@ -177,14 +177,6 @@ class WSDecodeKernelConfig:
     # not (fp8 with bf16 Q: 200,704 B). tests/test_ws_protocol_cpu.py model-checks the rings' protocol. Run 61
     # (H100): no gain (fp8 1.2% faster at 256 x 8192 only, a8w8 with four codes stages 2-13% slower); opt-in.
     vt_stages: int = 0
-    # ``fp8_mma``: each MMA thread loads its 72 dims of the pass's Q rows once, as nine 16-byte vectors into
-    # registers (one memory round trip), and writes Q's e4m3 codes (a8w8) or, with bf16 Q, the row amax and the two
-    # e4m3 terms from them. The element loops before issued 8 two-byte loads per round trip for bf16 Q's amax (9
-    # round trips) and then reloaded Q for the terms (~30 more), and a8w8's rounding loop one 16-byte load per
-    # round trip (9): SASS, per pass before the first score wgmma. Measured slower (run 60b, H100: 3-25 µs per call,
-    # most with few tiles per CTA; its 72 unrolled steps of byte stores into the swizzled Q tiles, ~40 KB of code run
-    # once per CTA): opt-in, kept as the record.
-    q_registers: bool = False
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -228,8 +220,6 @@ class WSDecodeKernelConfig:
                                  f"({self.num_stages}) V^T stages, got {self.vt_stages}")
         elif self.vt_stages:
             raise ValueError("vt_stages is dynamic_stage's with an fp8 cache (fp8_mma)")
-        elif self.q_registers:
-            raise ValueError("q_registers is fp8_mma's (Q's e4m3 codes or terms written from registers)")
         elif self.dynamic_stage:
             raise ValueError("dynamic_stage is fp8_mma's (the copier's, the transposer's and the MMA warp group's "
                              "ring of fp8 codes)")
@@ -342,7 +332,6 @@ class WSDecodeKernelConfig:
             f"{'_f8mma' if self.fp8_mma else ''}{'_ps' if self.p_split else ''}{'_sa' if self.score_ahead else ''}"
             f"{'_qs' if self.q_stack else ''}{'_pst' if self.p_stack else ''}"
             f"{f'_mxd{self.mx_decoders}' if self.mx_decoders != 1 else ''}{'_dyn' if self.dynamic_stage else ''}"
-            f"{'_qr' if self.q_registers else ''}"
             f"{f'_vt{self.vt_stages}' if self.vt_stages and self.vt_stages != self.num_stages else ''}"
         )
 
@@ -883,70 +872,16 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         hi = T.cast(x, ring_dtype)
         return hi, T.cast((x - T.cast(hi, f32)) * Q_SPLIT_LO, ring_dtype)
 
-    q_seg = QK_DIM // 8  # ``load_q_split``: a thread's dims of its Q row
-
-    @T.macro
-    def load_q_registers(k, q_pass):
-        """``q_registers``: thread t's 72 dims of row t / 8 (its segment t % 8) as nine 16-byte vectors into
-        ``q_regs``, all in flight at once (bf16 Q: and its partial amax from them)."""
-        qi = T.min(k.q_begin + q_pass, total_q - 1)  # (a pass's query is the sequence's: q_pass < q_len)
-        for v in T.unroll(q_seg // 8):
-            for e in T.vectorized(8):
-                k.q_regs[v * 8 + e] = k.Q[qi, k.hg * block_h + k.tx % CONSUMER_THREADS // 8,
-                                          k.tx % 8 * q_seg + v * 8 + e]
-        if cfg.q_split:
-            k.q_max[0] = 0
-            for i in T.unroll(q_seg):
-                k.q_max[0] = T.max(k.q_max[0], T.abs(T.cast(k.q_regs[i], f32)))
-
-    @T.macro
-    def q_codes_from_registers(k, q_inv):
-        """``q_registers`` with a8w8: the thread's 72 dims rounded to fp8 codes (``steps.round_q_to_fp8``, as the
-        element loop rounds them) into Q_lat / Q_rope."""
-        row, seg = k.tx % CONSUMER_THREADS // 8, k.tx % 8
-        for i in T.unroll(q_seg):
-            d = seg * q_seg + i
-            if d < KV_LORA_RANK:
-                k.Q_lat[row, d] = steps.round_q_to_fp8(k.q_regs[i], q_inv, cfg.fp8_dtype)
-            else:
-                k.Q_rope[row, d - KV_LORA_RANK] = steps.round_q_to_fp8(k.q_regs[i], q_inv, cfg.fp8_dtype)
-
-    @T.macro
-    def q_terms_from_registers(k):
-        """``q_registers``: the thread's 72 dims as hi / lo e4m3 terms (``Q_SPLIT_LO``) under the row's scale, into
-        shared memory (latent dims into Q_lat, rope dims into Q_rope)."""
-        row, seg = k.tx % CONSUMER_THREADS // 8, k.tx % 8
-        for i in T.unroll(q_seg):
-            x = T.cast(k.q_regs[i], f32) * k.q_row_scale[row]
-            hi = T.cast(x, ring_dtype)
-            lo = T.cast((x - T.cast(hi, f32)) * Q_SPLIT_LO, ring_dtype)
-            d = seg * q_seg + i
-            if d < KV_LORA_RANK:
-                k.Q_lat[row, d] = hi
-                if cfg.q_stack:  # (hi rows, then lo rows)
-                    k.Q_lat[block_m + row, d] = lo
-                else:
-                    k.Q_lat_lo[row, d] = lo
-            else:
-                k.Q_rope[row, d - KV_LORA_RANK] = hi
-                if cfg.q_stack:
-                    k.Q_rope[block_m + row, d - KV_LORA_RANK] = lo
-                else:
-                    k.Q_rope_lo[row, d - KV_LORA_RANK] = lo
-
     @T.macro
     def load_q_split(k, q_pass):
         """``q_split``: each Q row's amax, its power-of-two scale (the inverse kept in shared memory for the scores,
         ``q_row_factor``), and the row as hi / lo e4m3 terms (``Q_SPLIT_LO``)."""
         # amax per row: thread t takes 72 dims of row t / 8, the 8 partial maxima meet in shared memory
         row, seg = k.tx // 8, k.tx % 8
-        if cfg.q_registers:
-            load_q_registers(k, q_pass)
-        else:
-            k.q_max[0] = 0
-            for i in T.serial(QK_DIM // 8):
-                k.q_max[0] = T.max(k.q_max[0], T.abs(T.cast(q_value(k, None, q_pass, k.hg * block_h + row,
-                                                                     seg * (QK_DIM // 8) + i), f32)))
+        k.q_max[0] = 0
+        for i in T.serial(QK_DIM // 8):
+            k.q_max[0] = T.max(k.q_max[0], T.abs(T.cast(q_value(k, None, q_pass, k.hg * block_h + row,
+                                                                 seg * (QK_DIM // 8) + i), f32)))
         k.q_partial[k.tx] = k.q_max[0]
         T.sync_threads(1, CONSUMER_THREADS)
         if seg == 0:  # amax_r into [2^7, 2^8): exact powers of two (an all-zero row: any)
@@ -956,9 +891,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.q_row_factor[row] = T.exp2(k.q_max[0] - Q_SPLIT_TOP)
             k.q_row_scale[row] = T.exp2(Q_SPLIT_TOP - k.q_max[0])
         T.sync_threads(1, CONSUMER_THREADS)
-        if cfg.q_registers:
-            q_terms_from_registers(k)
-        elif cfg.q_stack:  # hi in rows 0..block_m - 1, lo in the next block_m
+        if cfg.q_stack:  # hi in rows 0..block_m - 1, lo in the next block_m
             for r, d in T.Parallel(block_m, KV_LORA_RANK):
                 k.Q_lat[r, d], k.Q_lat[block_m + r, d] = q_terms(k, q_pass, r, d)
             for r, d in T.Parallel(block_m, ROPE_DIM):
@@ -975,9 +908,6 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         fp8 codes)."""
         if cfg.q_split:
             load_q_split(k, q_pass)
-        elif cfg.q_registers:
-            load_q_registers(k, q_pass)
-            q_codes_from_registers(k, q_inv)
         else:
             load_q_codes(k, q_pass, q_inv)
 
@@ -1446,8 +1376,6 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.acc_s_lo = T.alloc_fragment([block_n, block_m], f32)  # S^T of the lo term
             if cfg.q_stack:
                 k.acc_s2 = T.alloc_fragment([block_n, 2 * block_m], f32)  # S^T of both terms, side by side
-        if cfg.q_registers:
-            k.q_regs = T.alloc_local([QK_DIM // 8], bf16)  # the thread's 72 dims of its Q row
         k.last_flag = T.alloc_shared([1], "int32")
         # S^T [token, row] and O^T [dim, row]: the KV tile is the wgmma M dimension.
         k.acc_s = T.alloc_fragment([block_n, block_m], f32)

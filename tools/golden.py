@@ -132,15 +132,7 @@ def golden_variants(target: str, only: str = "all") -> list:
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", dynamic_stage=True, num_stages=3, vt_stages=2,
                            **schedule.ws_ring_defaults("fp8", "bf16")),
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, dynamic_stage=True,
-                           num_stages=4, vt_stages=2, **schedule.ws_ring_defaults("fp8", "fp8")),
-        # bf16 Q's rows loaded once into the MMA threads' registers (``q_registers``): fp8's default ring, and causal
-        # over pages of 64 with Q's terms apart (no q_stack)
-        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", q_registers=True,
-                           **schedule.ws_ring_defaults("fp8", "bf16")),
-        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", causal=True, page_size=64, q_registers=True,
-                           fp8_mma=True, p_split=True),
-        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", q_registers=True,
-                           **schedule.ws_ring_defaults("fp8", "fp8")))
+                           num_stages=4, vt_stages=2, **schedule.ws_ring_defaults("fp8", "fp8")))
     for kv_format in ("fp8", "mxfp4"):
         for mode in ("bench", "check"):
             add(("stream", schedule.ws_config(spec, kv_format=kv_format), mode))

@@ -72,9 +72,6 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "f8mmapstdyn": dict(fp8_mma=True, p_split=True, p_stack=True, dynamic_stage=True),
     "f8mma3pstdyn": dict(fp8_mma=True, num_stages=3, p_split=True, p_stack=True, dynamic_stage=True),
     "mxd2dyn": dict(schedule.MX_RING_2D, dynamic_stage=True),
-    # fp8's default ring with Q's rows loaded once into registers (``q_registers``)
-    "f8mmaqpstqr": dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True, q_registers=True),
-    "f8mmapstqr": dict(fp8_mma=True, p_split=True, p_stack=True, q_registers=True),  # a8w8's
     # and the V^T ring at two stages beside three or four codes stages (``vt_stages``)
     "f8mma3v2qpstdyn": dict(fp8_mma=True, num_stages=3, vt_stages=2, p_split=True, q_stack=True, p_stack=True,
                             dynamic_stage=True),
