@@ -38,17 +38,25 @@ def decoder_ring(num_tiles, passes):
     return {"ready": 1, "free": 1}, [producer, consumer]
 
 
-def fp8_mma_ring(num_tiles, passes):
-    """``fp8_mma`` as built: the copier; the transposer (waits for the codes and for its V^T stage every round);
-    the MMA warp group (releases the codes after the score wgmma, V^T after P V; a round without a tile goes through
-    the same handshake)."""
+def fp8_mma_ring(num_tiles, passes, stages=STAGES, vt_stages=None):
+    """``fp8_mma`` as built: the copier; the transposer (waits for the codes and for its V^T stage every slot); the
+    MMA warp group (releases the codes after the score wgmma, V^T after P V; a slot without a tile goes through the
+    same handshake). Slot G = pass x slots per pass + t (rounds x stages slots per pass) takes codes stage t % stages
+    with its round's parity and V^T stage G % vt_stages with parity (G // vt_stages) & 1 (``vt_stages`` with
+    ``dynamic_stage``: ``vt_stage`` / ``vt_parity``); without vt_stages the V^T ring follows the codes'."""
+    vt_stages = vt_stages or stages
+    rounds = -(-num_tiles // stages)
     copier, transposer, consumer = [], [], []
-    for s, p, real in schedule(num_tiles, passes):
-        copier += [("wait", "free", s, p ^ 1), ("arrive", "ready", s)]
-        transposer += [("wait", "ready", s, p), ("wait", "vt_free", s, p ^ 1), ("arrive", "vt_ready", s),
-                       ("arrive", "free", s)]
-        consumer += [("wait", "ready", s, p), ("arrive", "free", s), ("wait", "vt_ready", s, p),
-                     ("arrive", "vt_free", s)]
+    for q_pass in range(passes):
+        for t in range(rounds * stages):
+            g = q_pass * rounds * stages + t
+            s, p = t % stages, parity(rounds, q_pass, t // stages)
+            v, vp = g % vt_stages, (g // vt_stages) & 1
+            copier += [("wait", "free", s, p ^ 1), ("arrive", "ready", s)]
+            transposer += [("wait", "ready", s, p), ("wait", "vt_free", v, vp ^ 1), ("arrive", "vt_ready", v),
+                           ("arrive", "free", s)]
+            consumer += [("wait", "ready", s, p), ("arrive", "free", s), ("wait", "vt_ready", v, vp),
+                         ("arrive", "vt_free", v)]
     return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
 
 
@@ -82,31 +90,12 @@ def fp8_mma_ring_run47(num_tiles, passes):
     return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
 
 
-def fp8_mma_vt_ring(num_tiles, passes, stages=3, vt_stages=2):
-    """``fp8_mma`` with ``dynamic_stage`` and ``vt_stages``: slot G = pass x slots per pass + t (slots per pass:
-    rounds x stages) takes codes stage G % stages (parity: its round's) and V^T stage G % vt_stages (parity
-    (G // vt_stages) & 1); the roles' waits and arrivals as in ``fp8_mma_ring`` (``vt_slot``)."""
-    rounds = -(-num_tiles // stages)
-    copier, transposer, consumer = [], [], []
-    for q_pass in range(passes):
-        for t in range(rounds * stages):
-            g = q_pass * rounds * stages + t
-            s, p = t % stages, parity(rounds, q_pass, t // stages)
-            v, vp = g % vt_stages, (g // vt_stages) & 1
-            copier += [("wait", "free", s, p ^ 1), ("arrive", "ready", s)]
-            transposer += [("wait", "ready", s, p), ("wait", "vt_free", v, vp ^ 1), ("arrive", "vt_ready", v),
-                           ("arrive", "free", s)]
-            consumer += [("wait", "ready", s, p), ("arrive", "free", s), ("wait", "vt_ready", v, vp),
-                         ("arrive", "vt_free", v)]
-    return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
-
-
 def explore(counts, programs, slots=0):
     """Depth-first search over every interleaving of ``programs`` (barrier waits and arrivals; with ``slots``, also
     the column slots' "write" / "read" / "done" events of ``mx_ring``). Returns None, or what went wrong: a state
     where some role can never move again (a hang), a write into a slot still being read, or a read that does not
     see its own tile's write."""
-    # one barrier per (name, stage) the programs use: the rings may differ in depth (``fp8_mma_vt_ring``)
+    # one barrier per (name, stage) the programs use: the rings may differ in depth (``fp8_mma_ring`` with vt_stages)
     keys = sorted({(op[1], op[2]) for program in programs for op in program if op[0] in ("wait", "arrive")})
     start = (tuple(0 for _ in programs), tuple((0, 0) for _ in keys),
              tuple((-1, False) for _ in range(slots)))  # per slot: (tile last written, being read)
@@ -175,13 +164,13 @@ def test_every_interleaving_finishes(model, num_tiles, passes):
 def test_every_interleaving_finishes_with_vt_stages(stages, vt_stages, num_tiles, passes):
     """The codes and V^T rings at different depths (``vt_stages``): no interleaving hangs, over tile counts that
     leave tile-less slots and passes whose slot counts are not multiples of the V^T depth."""
-    assert explore(*fp8_mma_vt_ring(num_tiles, passes, stages, vt_stages)) is None
+    assert explore(*fp8_mma_ring(num_tiles, passes, stages, vt_stages)) is None
 
 
 def test_vt_ring_model_can_hang():
     """The check can fail: the V^T barriers waited for with the codes' round parity (as if both rings had one
     depth) while the V^T stage cycles by slot hangs."""
-    counts, (copier, _, _) = fp8_mma_vt_ring(3, 2, 3, 2)
+    counts, (copier, _, _) = fp8_mma_ring(3, 2, 3, 2)
     transposer, consumer = [], []
     for q_pass in range(2):
         for t in range(3):  # one round of 3 slots per pass
