@@ -129,7 +129,13 @@ F8MMA = {"a8w8": WS, "fp8": WS, "mxfp4": {"ws": True, "fp8_mma": True, "p_split"
          "a8w8-vt2": {"ws": True, **schedule.ws_ring_defaults("fp8", "fp8"), "dynamic_stage": True, "num_stages": 4,
                       "vt_stages": 2},
          "fp8-vt2": {"ws": True, **schedule.ws_ring_defaults("fp8", "bf16"), "dynamic_stage": True, "num_stages": 3,
-                     "vt_stages": 2}}
+                     "vt_stages": 2},
+         # "-pc5": persistent CTAs (``persistent_ctas``), five of them, so that every CTA walks many work items of
+         # these small batches (empty splits, sequences without queries, several passes) through one ring
+         "a8w8-pc5": {"ws": True, **schedule.ws_ring_defaults("fp8", "fp8"), "dynamic_stage": True,
+                      "persistent_ctas": 5},
+         "fp8-pc5": {"ws": True, **schedule.ws_ring_defaults("fp8", "bf16"), "dynamic_stage": True,
+                     "persistent_ctas": 5}}
 _F8MMA_CASES = r"""
 import json, math, sys, traceback
 import torch
@@ -219,11 +225,12 @@ def prebuild_rings(rings):
 # a8w8 and fp8: their default ring, prebuilt (flat, causal, paged); the opt-in kernels (mxfp4's, "-dyn", "-vt2")
 # are compiled by ``prebuild_rings`` before the watchdog starts, in 30-60 s each unless a carried cache has them
 # (tools/ws_check.py --prebuild --check --pages 1,16,64 with --modes mxfp4 --variants f8mmaps,mxd2,mxd2dyn; --modes
-# fp8 --variants f8mmaqpstdyn,f8mma3v2qpstdyn; --modes a8w8 --variants f8mmapstdyn,f8mma4v2pstdyn).
+# fp8 --variants f8mmaqpstdyn,f8mma3v2qpstdyn,f8mmaqpstdynpc5; --modes a8w8 --variants
+# f8mmapstdyn,f8mma4v2pstdyn,f8mmapstdynpc5).
 @launches(lambda modes, **_: [(mode, 16, 1, causal, page) for mode in modes.split(",") if mode in ("a8w8", "fp8")
                               for causal, page in ((False, 0), (True, 0), (False, 1), (False, 16), (False, 64))])
 @pytest.mark.parametrize("modes", ["a8w8,fp8", "mxfp4", "mxfp4-2dec", "a8w8-dyn,fp8-dyn", "mxfp4-2dec-dyn",
-                                   "a8w8-vt2,fp8-vt2"])
+                                   "a8w8-vt2,fp8-vt2", "a8w8-pc5,fp8-pc5"])
 def test_fp8_mma_ring_under_a_watchdog(modes):
     """a8w8, fp8 (bf16 Q) and mxfp4 (its e4m3 decoder, issue 28 step 4) on fp8 wgmma against the fp32 reference:
     the ring's boundaries and split counts, one-token splits, causal query passes, paged caches; every call twice;

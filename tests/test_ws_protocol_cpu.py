@@ -60,6 +60,36 @@ def fp8_mma_ring(num_tiles, passes, stages=STAGES, vt_stages=None):
     return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
 
 
+def fp8_mma_persistent_ring(items, stages=STAGES, carry_base=True):
+    """``persistent_ctas``: one CTA's work items ``items`` [(num_tiles, passes), ...], each as ``fp8_mma_ring`` walks
+    it, one after the other in every role (``each_item``), round r of pass q of an item with parity
+    (ring_base + q x rounds + r) & 1, ring_base the rounds of the CTA's earlier items (``next_item``). The stages
+    are also ``explore``'s slots: the copier writes slot s after its "free" wait, the MMA warp group reads it after
+    its "ready" wait and is done before it releases it, so a stale read or an overwrite shows as well as a hang.
+    ``carry_base`` False: every item's parity restarts at 0 (the mutant the check must catch)."""
+    copier, transposer, consumer = [], [], []
+    base, slot_seq = 0, 0
+    for num_tiles, passes in items:
+        rounds = -(-num_tiles // stages)
+        for q_pass in range(passes):
+            for t in range(rounds * stages):
+                s, p = t % stages, (base + parity(rounds, q_pass, t // stages)) & 1
+                copier += [("wait", "free", s, p ^ 1), ("write", s, slot_seq), ("arrive", "ready", s)]
+                transposer += [("wait", "ready", s, p), ("wait", "vt_free", s, p ^ 1), ("arrive", "vt_ready", s),
+                               ("arrive", "free", s)]
+                consumer += [("wait", "ready", s, p), ("read", s, slot_seq), ("done", s, slot_seq),
+                             ("arrive", "free", s), ("wait", "vt_ready", s, p), ("arrive", "vt_free", s)]
+                slot_seq += 1
+        if carry_base:
+            base += passes * rounds
+    return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
+
+
+def find_persistent_fault(items, stages=STAGES, carry_base=True):
+    """``explore`` of ``fp8_mma_persistent_ring`` (its stages as slots): None, or the hang or stale read it finds."""
+    return explore(*fp8_mma_persistent_ring(items, stages, carry_base), slots=stages)
+
+
 def fp8_mma_ahead_ring(num_tiles, passes):
     """``fp8_mma`` with ``score_ahead``: the copier and transposer as in ``fp8_mma_ring``; the MMA warp group takes
     slot 0's codes before the loop, and at slot t waits for slot t + 1's codes (the scores one ahead), then for
@@ -180,6 +210,27 @@ def test_vt_ring_model_can_hang():
             consumer += [("wait", "ready", s, p), ("arrive", "free", s), ("wait", "vt_ready", v, p),
                          ("arrive", "vt_free", v)]
     assert explore(counts, [copier, transposer, consumer]) is not None
+
+
+# A persistent CTA's items: tile counts with odd and even round counts, empty splits (0 tiles), sequences without
+# queries (0 passes), several passes; two and three items per CTA.
+PERSISTENT_ITEMS = [(0, 1), (1, 1), (2, 1), (3, 1), (1, 2), (3, 2), (4, 0)]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("items", [list(pair) for pair in itertools.product(PERSISTENT_ITEMS, repeat=2)]
+                         + [[(1, 1), (0, 1), (3, 1)], [(3, 2), (1, 0), (1, 1)], [(1, 1)] * 3])
+def test_every_interleaving_finishes_across_persistent_items(items, stages):
+    """``persistent_ctas``: every role walks the CTA's items in one ring, so the next item's first tiles are filled
+    while the MMA warp group still works on the last; no interleaving hangs."""
+    assert find_persistent_fault(items, stages) is None
+
+
+def test_persistent_ring_model_can_fail():
+    """The check can fail: a parity that restarts per item (no ``ring_base``) reads a stale stage (or hangs) after
+    an item of an odd round count."""
+    assert find_persistent_fault([(1, 1), (1, 1)], carry_base=False) is not None
+    assert find_persistent_fault([(4, 1), (4, 1)], carry_base=False) is None  # two rounds: no harm
 
 
 def test_the_model_finds_the_hang_of_run_47():

@@ -734,3 +734,56 @@ def test_watchdog_prebuild_builds_what_the_op_selects():
                                                      total_kv=4000, **test_ws_gpu.F8MMA[ring])
             expected = next(built)
             assert selected == expected, (ring, causal, page_size, selected.name, expected.name)
+
+
+# ---- persistent CTAs (``persistent_ctas``) -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,kwargs", [("fp8", {}), ("a8w8", dict(causal=True, page_size=64))],
+                         ids=["fp8", "a8w8-causal-page64"])
+def test_persistent_ctas_walk_their_items_with_one_ring(mode, kwargs):
+    """With ``persistent_ctas`` the launch's grid is min(splits x sequences x head groups, persistent_ctas) CTAs of
+    one dimension; each of the three roles (MMA warp group, copier, transposer) walks the CTA's items in one loop,
+    derives the item's sequence and split from blockIdx.x + i x grid inside it, and carries one ring parity base
+    across items: every barrier wait's parity adds that base, and each role adds its item's passes x rounds to it
+    after the item. The shared memory is the one-item ring's."""
+    kv_format, q_format = MODES[mode]
+    ring = dict(dynamic_stage=True, **DYN_RINGS[mode], **kwargs)
+    cfg = schedule.ws_config(H200, kv_format=kv_format, q_format=q_format, persistent_ctas=132, **ring)
+    plain = schedule.ws_config(H200, kv_format=kv_format, q_format=q_format, **ring)
+    assert cfg.name == plain.name + "_pc132" and cfg.shared_bytes == plain.shared_bytes
+    artifact = jit.lower(cfg, H200)
+    launch = re.search(r'T.call_packed\("mla_decode_ws(_paged)?_kernel", .*\)', artifact.host_mod.script()).group(0)
+    assert launch.endswith("T.min(num_splits * (indptr_len - 1), 132), 384, 1, 1, %d)" % jit.lowered_lds_bytes(
+        artifact)), launch
+    src = artifact.kernel_source
+    body = src[src.index("__global__"):]
+    assert "blockIdx.y" not in body and "blockIdx.z" not in body
+    bases = re.findall(r"\b(v_\d+) = \(\1 \+ \(v_\d+ \* v_\d+\)\);", body)
+    assert len(bases) == 3 and len(set(bases)) == 1, f"one ring base, advanced once per item by each role: {bases}"
+    base = bases[0]
+    assert re.search(rf"int {base} = 0;", body), "the ring base starts at 0 once per CTA"
+    roles = {"consumer": body[: body.index("warpgroup_reg_dealloc")], "producers": producer_code(body)}
+    for role, code in roles.items():
+        items = re.findall(r"for \(int (i(?:_\d+)?) = 0; \1 < v_\d+; \+\+\1\) \{\n\s+int rmod_\d+ = \(\(\(\(int\)"
+                           r"blockIdx\.x\) \+ \(\1 \* min\(", code)
+        assert len(items) == (1 if role == "consumer" else 2), f"{role}: one item loop per role ({items})"
+        # a wait's parity, or the slot's parity variable that the waits take
+        parities = re.findall(r"\.wait\(([^;]*)\);|int parity(?:_\d+)? = ([^;]*);", code)
+        with_base = [p for p in parities if base in "".join(p)]
+        assert len(with_base) == (1 if role == "consumer" else 2), f"{role}: parities with the ring base {parities}"
+    plain_src = jit.lower(plain, H200).kernel_source
+    assert "blockIdx.y" in plain_src and not re.search(r"\b(v_\d+) = \(\1 \+ \(v_\d+ \* v_\d+\)\);", plain_src)
+
+
+@pytest.mark.parametrize("fields,why", [
+    (dict(kv_format="fp8", fp8_mma=True, persistent_ctas=132), "persistent_ctas is dynamic_stage's"),
+    (dict(kv_format="fp8", persistent_ctas=132), "persistent_ctas is dynamic_stage's with an fp8 cache \\(fp8_mma\\)"),
+    (dict(kv_format="fp8", fp8_mma=True, dynamic_stage=True, num_stages=3, vt_stages=2, persistent_ctas=132),
+     "no vt_stages"),
+    (dict(kv_format="mxfp4", fp8_mma=True, fast_softmax=True, mx_decoders=2, dynamic_stage=True, persistent_ctas=132),
+     "no mxfp4 decoders"),
+    (dict(kv_format="fp8", fp8_mma=True, dynamic_stage=True, persistent_ctas=-1), "persistent_ctas must be >= 0"),
+], ids=["no-dynamic-stage", "decoder-ring", "vt-stages", "mxfp4", "negative"])
+def test_persistent_ctas_refusals(fields, why):
+    with pytest.raises(ValueError, match=why):
+        WSDecodeKernelConfig(**{"q_format": "bf16" if fields["kv_format"] == "mxfp4" else "fp8", **fields})

@@ -177,6 +177,14 @@ class WSDecodeKernelConfig:
     # not (fp8 with bf16 Q: 200,704 B). tests/test_ws_protocol_cpu.py model-checks the rings' protocol. Run 61
     # (H100): no gain (fp8 1.2% faster at 256 x 8192 only, a8w8 with four codes stages 2-13% slower); opt-in.
     vt_stages: int = 0
+    # ``dynamic_stage`` with an fp8 cache: persistent CTAs. The grid is min(work items, persistent_ctas) CTAs (one
+    # per SM: 132 on the H100 / H200), and CTA c walks the work items c, c + grid, ... (an item is one (KV split,
+    # sequence, head group), split fastest). Every role carries the ring across items: a stage's parity counts the
+    # CTA's rounds so far (``ring_base``), so the copier and the transposer fill the next item's first stages while
+    # the MMA warp group writes, merges and loads Q for the last one, and the prologue (barriers, register budgets,
+    # descriptors) is paid once per SM instead of once per item. 0: one CTA per item (the grid of splits x
+    # sequences x head groups). tests/test_ws_protocol_cpu.py model-checks the ring across items. Opt-in.
+    persistent_ctas: int = 0
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -218,6 +226,11 @@ class WSDecodeKernelConfig:
                                        and 2 <= self.vt_stages <= self.num_stages):
                 raise ValueError(f"vt_stages is dynamic_stage's with an fp8 cache: 2 .. num_stages "
                                  f"({self.num_stages}) V^T stages, got {self.vt_stages}")
+            if self.persistent_ctas and not (self.dynamic_stage and not self.mx_mma and not self.vt_stages):
+                raise ValueError("persistent_ctas is dynamic_stage's with an fp8 cache (fp8_mma, no mxfp4 decoders, "
+                                 "no vt_stages)")
+        elif self.persistent_ctas:
+            raise ValueError("persistent_ctas is dynamic_stage's with an fp8 cache (fp8_mma)")
         elif self.vt_stages:
             raise ValueError("vt_stages is dynamic_stage's with an fp8 cache (fp8_mma)")
         elif self.dynamic_stage:
@@ -235,6 +248,9 @@ class WSDecodeKernelConfig:
                              "issues the L2 prefetches)")
         if self.direct_stores and self.kv_format == "bf16":
             raise ValueError("direct_stores is the decoders' (fp8 / mxfp4): a bf16 cache is copied, not stored")
+        if self.persistent_ctas < 0:
+            raise ValueError(f"persistent_ctas must be >= 0 (CTAs of the grid; 0: one per work item), got "
+                             f"{self.persistent_ctas}")
         if self.l2_prefetch < 0:
             raise ValueError(f"l2_prefetch must be >= 0 (tiles ahead; 0: off), got {self.l2_prefetch}")
         producers = {f"producer_regs (group {g})": self.group_regs(g) for g in range(self.producer_groups)}
@@ -333,6 +349,7 @@ class WSDecodeKernelConfig:
             f"{'_qs' if self.q_stack else ''}{'_pst' if self.p_stack else ''}"
             f"{f'_mxd{self.mx_decoders}' if self.mx_decoders != 1 else ''}{'_dyn' if self.dynamic_stage else ''}"
             f"{f'_vt{self.vt_stages}' if self.vt_stages and self.vt_stages != self.num_stages else ''}"
+            f"{f'_pc{self.persistent_ctas}' if self.persistent_ctas else ''}"
         )
 
 
@@ -420,10 +437,55 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                                   out_dims=KV_LORA_RANK, deferred_sum=cfg.fast_softmax,
                                   tr=functools.partial(steps.accumulator_index, True))
 
+    persistent = cfg.persistent_ctas > 0
+
     def ring_parity(k, q_pass, rnd):
         """Parity of a stage's barriers in round ``rnd`` of pass ``q_pass``: every pass walks ``rounds`` rounds of
-        all stages, so a tile's stage is static."""
+        all stages, so a tile's stage is static (``persistent_ctas``: after the ``ring_base`` rounds of the CTA's
+        earlier items)."""
+        if persistent:
+            return (k.ring_base + q_pass * k.rounds + rnd) & 1
         return (q_pass * k.rounds + rnd) & 1
+
+    # ---- ``persistent_ctas``: the CTA's work items (without it, one: the grid's, and these add no code)
+
+    @T.macro
+    def item_state(k, i):
+        """The scalars of the CTA's i-th work item w = cta + i x grid (split fastest, then head group, then
+        sequence), into its registers (``item_registers``): what ``cta_state`` / ``consumer_state`` compute once
+        per CTA without persistent CTAs."""
+        if persistent:
+            k.item.split_id[0] = (k.cta + i * k.grid) % k.num_splits
+            k.item.hg[0] = (k.cta + i * k.grid) // k.num_splits % head_groups
+            k.item.seq_id[0] = (k.cta + i * k.grid) // (k.num_splits * head_groups)
+            k.item.kv_begin[0] = k.kv_indptr[k.seq_id]
+            k.item.kv_len[0] = k.kv_indptr[k.seq_id + 1] - k.kv_begin
+            k.item.chunk[0] = steps.split_chunk(k.kv_len, k.num_splits, block_n)
+            k.item.split_lo[0] = k.split_id * k.chunk
+            k.item.split_hi[0] = T.min(k.split_lo + k.chunk, k.kv_len)
+            k.item.num_tiles[0] = steps.tile_count(k.split_lo, k.split_hi, block_n)
+            k.item.rounds[0] = T.ceildiv(k.num_tiles, stages)
+            k.item.q_begin[0] = k.qo_indptr[k.seq_id]
+            k.item.q_len[0] = k.qo_indptr[k.seq_id + 1] - k.q_begin
+            k.item.num_passes[0] = T.max(k.q_len, 0)
+
+    @T.macro
+    def next_item(k):
+        """Past a work item: every role walked its passes x rounds rounds of the ring."""
+        if persistent:
+            k.item.ring_base[0] = k.ring_base + k.num_passes * k.rounds
+
+    @T.macro
+    def each_item(k, step, arg):
+        """A producer's ``step(k, arg)`` for each of the CTA's work items (without persistent CTAs: once, for the
+        grid's item)."""
+        if persistent:
+            for item in T.serial(k.cta_items):
+                item_state(k, item)
+                step(k, arg)
+                next_item(k)
+        else:
+            step(k, arg)
 
     # ``dynamic_stage``: the fp8 ring's stages side by side in one buffer per operand, at these byte steps (1-byte
     # codes; TileLang's 128-byte swizzle lays the latent codes out in 8 KiB panels of 128 columns, so the stage of
@@ -539,11 +601,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     T.cp_async_barrier_noinc(k.ready[s])
 
     @T.macro
-    def copy_tiles_one_copy(k):
-        """``dynamic_stage``: ``copy_tiles`` in one copy of the tile step, tile t into stage t % stages (a register)
-        through ``StageView``s of the one ring buffer per operand."""
-        T.set_max_nreg(cfg.producer_regs, 0)
-        p = k.tx - CONSUMER_THREADS
+    def copy_item_one_copy(k, p):
+        """One work item's passes of ``copy_tiles_one_copy`` (``p``: the copier thread)."""
         for q_pass in T.serial(k.num_passes):
             prefetch_prologue(k, 0)
             for t in T.serial(k.rounds * stages):
@@ -566,13 +625,16 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 T.cp_async_barrier_noinc(k.ready[s])
 
     @T.macro
-    def transpose_tiles_one_copy(k):
-        """``dynamic_stage``: ``transpose_tiles`` in one copy of the tile step (stage t % stages, a register; its
-        codes and V^T at the stage's byte offsets)."""
-        T.set_max_nreg(cfg.group_regs(1), 0)
-        p = k.tx - CONSUMER_THREADS - WARP_GROUP
-        k.vt_addr[0] = dequant.smem_addr(k.Ring_lat_all[0, 0])
-        k.vt_addr[1] = dequant.smem_addr(k.Vt[0, 0])
+    def copy_tiles_one_copy(k):
+        """``dynamic_stage``: ``copy_tiles`` in one copy of the tile step, tile t into stage t % stages (a register)
+        through ``StageView``s of the one ring buffer per operand; per work item (``persistent_ctas``)."""
+        T.set_max_nreg(cfg.producer_regs, 0)
+        p = k.tx - CONSUMER_THREADS
+        each_item(k, copy_item_one_copy, p)
+
+    @T.macro
+    def transpose_item_one_copy(k, p):
+        """One work item's passes of ``transpose_tiles_one_copy`` (``p``: the transposer thread)."""
         for q_pass in T.serial(k.num_passes):
             for t in T.serial(k.rounds * stages):
                 s = t % stages
@@ -586,6 +648,16 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     T.fence_proxy_async()  # generic-proxy stores, read next by wgmma
                 T.barrier_arrive(k.vt_ready[vt_stage(k, q_pass, t, s)])
                 T.barrier_arrive(k.free[s])
+
+    @T.macro
+    def transpose_tiles_one_copy(k):
+        """``dynamic_stage``: ``transpose_tiles`` in one copy of the tile step (stage t % stages, a register; its
+        codes and V^T at the stage's byte offsets)."""
+        T.set_max_nreg(cfg.group_regs(1), 0)
+        p = k.tx - CONSUMER_THREADS - WARP_GROUP
+        k.vt_addr[0] = dequant.smem_addr(k.Ring_lat_all[0, 0])
+        k.vt_addr[1] = dequant.smem_addr(k.Vt[0, 0])
+        each_item(k, transpose_item_one_copy, p)
 
     @T.macro
     def transpose_tiles(k):
@@ -1228,8 +1300,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                 k.Semaphores[k.seq_id * head_groups + k.hg] = 0
 
     @T.macro
-    def consume_tiles(k):
-        T.set_max_nreg(cfg.consumer_regs, 1)
+    def consume_item(k):
+        """One work item: its query passes over the split's tiles, then its share of the fused merge."""
         q_scale = T.alloc_var(f32, init=steps.q_scale_of(cfg.q_format, cfg.fp8_dtype, k.Q_scale[0]))
         q_inv = T.alloc_var(f32, init=steps.q_inverse(q_scale)) if cfg.q_format == "fp8" else None
         # One multiply per score: sm_scale, log2(e), the fp8 per-tensor scales of Q and K, the decode's factor.
@@ -1290,14 +1362,26 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if k.num_splits > 1:
             merge_splits(k)
 
+    @T.macro
+    def consume_tiles(k):
+        T.set_max_nreg(cfg.consumer_regs, 1)
+        if persistent:
+            for item in T.serial(k.cta_items):
+                item_state(k, item)
+                consume_item(k)
+                next_item(k)
+        else:
+            consume_item(k)
+
     # ------------------------------------------------------------------------------------------- the CTA
 
     def scalar(dtype, init):
         """A per-CTA scalar computed once into a register (a helper's value, not a re-derived expression)."""
         return T.alloc_var(dtype, init=init)[0]
 
-    def cta_state(k, split_id, seq_id, kv_indptr, num_splits):
-        """The CTA's ring, barriers and per-CTA scalars (registers), shared by both programs."""
+    def cta_state(k, split_id, seq_id, kv_indptr, num_splits, cta=None, num_items=None):
+        """The CTA's ring, barriers and per-CTA scalars (registers), shared by both programs (``persistent_ctas``:
+        the CTA's index ``cta`` of a grid over ``num_items`` work items, and registers for the item's scalars)."""
         if dyn:  # the stages side by side: latent codes along the columns, rope along the rows
             k.Ring_lat_all = T.alloc_shared([block_n, stages * KV_LORA_RANK], ring_dtype)
             k.Ring_rope_all = T.alloc_shared([stages * block_n, ROPE_DIM], ring_dtype)
@@ -1318,15 +1402,22 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         k.ready = T.alloc_barrier([ready_count] * stages)
         # "free": the MMA warp group's release of a stage (fp8_mma: and the transposer's, once both read the codes)
         k.free = T.alloc_barrier([CONSUMER_THREADS + (WARP_GROUP if fp8_mma else 0)] * stages)
-        k.split_id, k.seq_id, k.num_splits = split_id, seq_id, num_splits
-        k.kv_begin = scalar("int32", kv_indptr[seq_id])
-        k.kv_len = scalar("int32", kv_indptr[seq_id + 1] - kv_indptr[seq_id])
-        # Split s covers tokens [s * chunk, (s + 1) * chunk), chunk a multiple of block_n.
-        k.chunk = scalar("int32", steps.split_chunk(k.kv_len, num_splits, block_n))
-        k.split_lo = scalar("int32", split_id * k.chunk)
-        k.split_hi = scalar("int32", T.min(k.split_lo + k.chunk, k.kv_len))
-        k.num_tiles = scalar("int32", steps.tile_count(k.split_lo, k.split_hi, block_n))
-        k.rounds = scalar("int32", T.ceildiv(k.num_tiles, stages))
+        k.num_splits = num_splits
+        if persistent:  # the work item's scalars: registers that ``item_state`` sets per item
+            k.kv_indptr, k.cta = kv_indptr, cta
+            k.grid = T.min(num_items, cfg.persistent_ctas)
+            k.cta_items = scalar("int32", T.ceildiv(num_items - cta, k.grid))
+            item_registers(k)
+        else:
+            k.split_id, k.seq_id = split_id, seq_id
+            k.kv_begin = scalar("int32", kv_indptr[seq_id])
+            k.kv_len = scalar("int32", kv_indptr[seq_id + 1] - kv_indptr[seq_id])
+            # Split s covers tokens [s * chunk, (s + 1) * chunk), chunk a multiple of block_n.
+            k.chunk = scalar("int32", steps.split_chunk(k.kv_len, num_splits, block_n))
+            k.split_lo = scalar("int32", split_id * k.chunk)
+            k.split_hi = scalar("int32", T.min(k.split_lo + k.chunk, k.kv_len))
+            k.num_tiles = scalar("int32", steps.tile_count(k.split_lo, k.split_hi, block_n))
+            k.rounds = scalar("int32", T.ceildiv(k.num_tiles, stages))
         k.tx = T.get_thread_binding()
         if decodes:
             p = k.tx - CONSUMER_THREADS
@@ -1337,6 +1428,16 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.mx_token, k.mx_h = p // 2, p % 2
             if cfg.mx_decoders > 1:  # the decoder group's stage: group 0 (threads 128 ..) stage 0, group 2 stage 1
                 k.mx_stage = scalar("int32", T.if_then_else(k.tx < CONSUMER_THREADS + WARP_GROUP, 0, 1))
+
+    def item_registers(k):
+        """``persistent_ctas``: one int32 register per work-item scalar (``k.item.<name>``, written by
+        ``item_state``), read as ``k.<name>``; ``ring_base`` (the CTA's rounds so far) starts at 0."""
+        names = ("split_id", "hg", "seq_id", "kv_begin", "kv_len", "chunk", "split_lo", "split_hi", "num_tiles",
+                 "rounds", "q_begin", "q_len", "num_passes")
+        k.item = SimpleNamespace(**{name: T.alloc_var("int32") for name in names})
+        k.item.ring_base = T.alloc_var("int32", init=0)
+        for name in (*names, "ring_base"):
+            setattr(k, name, getattr(k.item, name)[0])
 
     def producer_registers(k):
         """A decoder thread's register buffers: two tiles of codes (and scale bytes), one chunk of bf16."""
@@ -1387,9 +1488,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if cfg.fast_softmax:
             k.psum = T.alloc_fragment([block_n, block_m], f32)  # running sums per score position
             k.tile_max = T.alloc_shared([stages * 64], f32)  # mla_ws_tile_max's slots, one per stage
-        k.q_begin = scalar("int32", qo_indptr[seq_id])
-        k.q_len = scalar("int32", qo_indptr[seq_id + 1] - qo_indptr[seq_id])
-        k.num_passes = scalar("int32", T.max(k.q_len, 0))
+        if persistent:  # per work item: ``item_state``
+            k.qo_indptr = qo_indptr
+        else:
+            k.q_begin = scalar("int32", qo_indptr[seq_id])
+            k.q_len = scalar("int32", qo_indptr[seq_id + 1] - qo_indptr[seq_id])
+            k.num_passes = scalar("int32", T.max(k.q_len, 0))
         if cfg.score_ahead:
             # One S^T fragment (and lo term's) per stage: stage s's view of the state is the state with its own.
             k.stage_views = [k]
@@ -1400,32 +1504,50 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     view.acc_s_lo = T.alloc_fragment([block_n, block_m], f32)
                 k.stage_views.append(view)
 
+    def work_items(num_splits):
+        """The launch's work items: (KV split, sequence, head group) triples."""
+        return num_splits * (indptr_len - 1) * head_groups
+
+    @T.macro
+    def cta_program(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
+                    num_splits, O_partial, LSE_partial, Semaphores, Out, LSE, split_id, seq_id, hg, cta):
+        """One CTA: its state, then the consumer and the producers (``cta``: the persistent CTA's index, else
+        None and the grid's (split_id, seq_id, hg))."""
+        dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0, ordered=cfg.ordered_decode,
+                                   extra=(steps.TILE_MAX_CUDA_SOURCE if cfg.fast_softmax else "")
+                                   + (dequant.TRANSPOSE_CUDA_SOURCE if fp8_mma else "")
+                                   + (dequant.ZERO_SHARED_CUDA_SOURCE if cfg.score_ahead else "")
+                                   + (dequant.MX_E4M3_CUDA_SOURCE if cfg.mx_mma else ""))
+        k = SimpleNamespace(Q=Q, KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Q_scale=Q_scale,
+                            KV_scale=KV_scale, Page_table=Page_table, sm_scale=sm_scale, O_partial=O_partial,
+                            LSE_partial=LSE_partial, Semaphores=Semaphores, Out=Out, LSE=LSE, hg=hg)
+        cta_state(k, split_id, seq_id, kv_indptr, num_splits, cta=cta, num_items=work_items(num_splits))
+        consumer_state(k, qo_indptr, seq_id)
+        if cfg.q_stack:
+            # S^T's fragments that no wgmma writes take a wgmma accumulator's layout (m64n16), so that the lo
+            # half of the m64n32 one moves into acc_s_lo within each thread
+            T.annotate_layout({k.acc_s: accumulator_fragment(block_n, block_m),
+                               k.acc_s_lo: accumulator_fragment(block_n, block_m)})
+        if cfg.p_stack:  # likewise O^T, which only fold_output writes
+            T.annotate_layout({k.acc_o: accumulator_fragment(KV_LORA_RANK, block_m)})
+        if k.tx < CONSUMER_THREADS:
+            consume_tiles(k)
+        else:
+            producer_registers(k)
+            produce(k)
+
     @T.macro
     def body(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table, sm_scale,
              num_splits, O_partial, LSE_partial, Semaphores, Out, LSE):
-        with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
-            dequant.import_cuda_source(prefetch=cfg.l2_prefetch > 0, ordered=cfg.ordered_decode,
-                                       extra=(steps.TILE_MAX_CUDA_SOURCE if cfg.fast_softmax else "")
-                                       + (dequant.TRANSPOSE_CUDA_SOURCE if fp8_mma else "")
-                                       + (dequant.ZERO_SHARED_CUDA_SOURCE if cfg.score_ahead else "")
-                                       + (dequant.MX_E4M3_CUDA_SOURCE if cfg.mx_mma else ""))
-            k = SimpleNamespace(Q=Q, KV=KV, KV_scales=KV_scales, scale_stride=scale_stride, Q_scale=Q_scale,
-                                KV_scale=KV_scale, Page_table=Page_table, sm_scale=sm_scale, O_partial=O_partial,
-                                LSE_partial=LSE_partial, Semaphores=Semaphores, Out=Out, LSE=LSE, hg=hg)
-            cta_state(k, split_id, seq_id, kv_indptr, num_splits)
-            consumer_state(k, qo_indptr, seq_id)
-            if cfg.q_stack:
-                # S^T's fragments that no wgmma writes take a wgmma accumulator's layout (m64n16), so that the lo
-                # half of the m64n32 one moves into acc_s_lo within each thread
-                T.annotate_layout({k.acc_s: accumulator_fragment(block_n, block_m),
-                                   k.acc_s_lo: accumulator_fragment(block_n, block_m)})
-            if cfg.p_stack:  # likewise O^T, which only fold_output writes
-                T.annotate_layout({k.acc_o: accumulator_fragment(KV_LORA_RANK, block_m)})
-            if k.tx < CONSUMER_THREADS:
-                consume_tiles(k)
-            else:
-                producer_registers(k)
-                produce(k)
+        if persistent:  # at most persistent_ctas CTAs, each walking its work items
+            with T.Kernel(T.min(work_items(num_splits), cfg.persistent_ctas), threads=cfg.threads) as cta:
+                cta_program(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table,
+                            sm_scale, num_splits, O_partial, LSE_partial, Semaphores, Out, LSE, None, None, None, cta)
+        else:
+            with T.Kernel(num_splits, indptr_len - 1, head_groups, threads=cfg.threads) as (split_id, seq_id, hg):
+                cta_program(Q, KV, KV_scales, scale_stride, Q_scale, KV_scale, qo_indptr, kv_indptr, Page_table,
+                            sm_scale, num_splits, O_partial, LSE_partial, Semaphores, Out, LSE, split_id, seq_id, hg,
+                            None)
 
     if stream:
         dims = dict(cache_rows=cache_rows, scale_len=scale_len, indptr_len=indptr_len)

@@ -132,7 +132,12 @@ def golden_variants(target: str, only: str = "all") -> list:
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", dynamic_stage=True, num_stages=3, vt_stages=2,
                            **schedule.ws_ring_defaults("fp8", "bf16")),
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, dynamic_stage=True,
-                           num_stages=4, vt_stages=2, **schedule.ws_ring_defaults("fp8", "fp8")))
+                           num_stages=4, vt_stages=2, **schedule.ws_ring_defaults("fp8", "fp8")),
+        # persistent CTAs (``persistent_ctas``): fp8 flat, a8w8 causal over pages of 64
+        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", dynamic_stage=True, persistent_ctas=132,
+                           **schedule.ws_ring_defaults("fp8", "bf16")),
+        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, dynamic_stage=True,
+                           persistent_ctas=132, **schedule.ws_ring_defaults("fp8", "fp8")))
     for kv_format in ("fp8", "mxfp4"):
         for mode in ("bench", "check"):
             add(("stream", schedule.ws_config(spec, kv_format=kv_format), mode))

@@ -77,6 +77,14 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
                             dynamic_stage=True),
     "f8mma3v2pstdyn": dict(fp8_mma=True, num_stages=3, vt_stages=2, p_split=True, p_stack=True, dynamic_stage=True),
     "f8mma4v2pstdyn": dict(fp8_mma=True, num_stages=4, vt_stages=2, p_split=True, p_stack=True, dynamic_stage=True),
+    # persistent CTAs (``persistent_ctas``): one CTA per SM walking its work items, the ring carried across them;
+    # "...pc5": five CTAs, so that the checks' small batches give every CTA many items
+    "f8mmaqpstdynpc": dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True, dynamic_stage=True,
+                           persistent_ctas=132),
+    "f8mmapstdynpc": dict(fp8_mma=True, p_split=True, p_stack=True, dynamic_stage=True, persistent_ctas=132),
+    "f8mmaqpstdynpc5": dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True, dynamic_stage=True,
+                            persistent_ctas=5),
+    "f8mmapstdynpc5": dict(fp8_mma=True, p_split=True, p_stack=True, dynamic_stage=True, persistent_ctas=5),
     # the MMA warp group one score ahead (S(t + 1) in flight during the softmax of t)
     "f8sa": dict(fp8_mma=True, score_ahead=True),
     "f8saps": dict(fp8_mma=True, score_ahead=True, p_split=True),
