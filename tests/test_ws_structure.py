@@ -787,3 +787,34 @@ def test_persistent_ctas_walk_their_items_with_one_ring(mode, kwargs):
 def test_persistent_ctas_refusals(fields, why):
     with pytest.raises(ValueError, match=why):
         WSDecodeKernelConfig(**{"q_format": "bf16" if fields["kv_format"] == "mxfp4" else "fp8", **fields})
+
+
+# ---- Q's shared rows in a loop (``q_loop_rows``) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["fp8", "a8w8"])
+def test_q_loop_rows_writes_q_in_a_loop_of_row_steps(mode):
+    """With ``q_loop_rows`` = 2 the MMA warp group writes Q's shared rows (bf16 Q's two e4m3 terms, or a8w8's codes)
+    in a loop of 16 / 2 steps (a loop nvcc keeps: its once-per-pass code before the first wgmma shrinks), the shared
+    memory is the same."""
+    kv_format, q_format = MODES[mode]
+    ring = dict(dynamic_stage=True, **DYN_RINGS[mode])
+    block = schedule.ws_config(H200, kv_format=kv_format, q_format=q_format, **ring)
+    looped = dataclasses.replace(block, q_loop_rows=2)
+    assert looped.name == block.name + "_ql2" and looped.shared_bytes == block.shared_bytes
+    srcs = [jit.lower(cfg, H200).kernel_source for cfg in (block, looped)]
+    prologues = []
+    for src in srcs:
+        body = src[src.index("__global__"):]
+        consumer = body[: body.index("warpgroup_reg_dealloc")]
+        prologues.append(consumer[: consumer.index("tl::wgmma_ss<")])
+    assert re.search(r"for \(int rb = 0; rb < 8; \+\+rb\) \{", prologues[1]), "no loop of 8 row steps"
+    assert "rb" not in prologues[0]
+    # (the cubin of fp8's one-copy ring: 109.5 KB in one block, 91.1 KB in steps of two rows; ptxas, CPU box)
+
+
+@pytest.mark.parametrize("rows", [3, 32])
+def test_q_loop_rows_must_divide_the_rows(rows):
+    with pytest.raises(ValueError, match="q_loop_rows is fp8_mma's, a divisor"):
+        WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", fp8_mma=True, q_loop_rows=rows)
+    with pytest.raises(ValueError, match="q_loop_rows is fp8_mma's"):
+        WSDecodeKernelConfig(kv_format="fp8", q_format="fp8", q_loop_rows=2)

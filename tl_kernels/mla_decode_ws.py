@@ -185,6 +185,11 @@ class WSDecodeKernelConfig:
     # descriptors) is paid once per SM instead of once per item. 0: one CTA per item (the grid of splits x
     # sequences x head groups). tests/test_ws_protocol_cpu.py model-checks the ring across items. Opt-in.
     persistent_ctas: int = 0
+    # ``fp8_mma``: the MMA warp group writes Q's shared rows (codes, or bf16 Q's two terms) ``q_loop_rows`` rows at a
+    # time in a loop, instead of all 16 in one unrolled block: the straight-line code each pass runs once (fp8
+    # with bf16 Q: ~1570 instructions, 25 KB of SASS before the first wgmma) shrinks by 16 / q_loop_rows, for a CTA
+    # that starts with a cold instruction cache (the harness flushes L2 between calls). 0: one block. Opt-in.
+    q_loop_rows: int = 0
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
     q_tile = 1  # one query token per pass (more queries take more passes)
@@ -248,6 +253,9 @@ class WSDecodeKernelConfig:
                              "issues the L2 prefetches)")
         if self.direct_stores and self.kv_format == "bf16":
             raise ValueError("direct_stores is the decoders' (fp8 / mxfp4): a bf16 cache is copied, not stored")
+        if self.q_loop_rows and (not self.fp8_mma or self.block_m % self.q_loop_rows):
+            raise ValueError(f"q_loop_rows is fp8_mma's, a divisor of the {self.block_m} query rows; got "
+                             f"{self.q_loop_rows}")
         if self.persistent_ctas < 0:
             raise ValueError(f"persistent_ctas must be >= 0 (CTAs of the grid; 0: one per work item), got "
                              f"{self.persistent_ctas}")
@@ -350,6 +358,7 @@ class WSDecodeKernelConfig:
             f"{f'_mxd{self.mx_decoders}' if self.mx_decoders != 1 else ''}{'_dyn' if self.dynamic_stage else ''}"
             f"{f'_vt{self.vt_stages}' if self.vt_stages and self.vt_stages != self.num_stages else ''}"
             f"{f'_pc{self.persistent_ctas}' if self.persistent_ctas else ''}"
+            f"{f'_ql{self.q_loop_rows}' if self.q_loop_rows else ''}"
         )
 
 
@@ -930,12 +939,27 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     # -------------------------------------------------------------------------------------------- consumer
 
+    q_rows = cfg.q_loop_rows or block_m  # rows per step of the Q loops (``q_loop_rows``)
+
     @T.macro
-    def load_q_codes(k, q_pass, q_inv):
+    def load_q_codes_block(k, q_pass, q_inv):
         for r, d in T.Parallel(block_m, KV_LORA_RANK):
             k.Q_lat[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, d, codes=fp8_mma)
         for r, d in T.Parallel(block_m, ROPE_DIM):
             k.Q_rope[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, KV_LORA_RANK + d, codes=fp8_mma)
+
+    @T.macro
+    def load_q_codes(k, q_pass, q_inv):
+        if cfg.q_loop_rows:
+            for rb in T.serial(block_m // q_rows):
+                for r, d in T.Parallel(q_rows, KV_LORA_RANK):
+                    k.Q_lat[rb * q_rows + r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + rb * q_rows + r, d,
+                                                          codes=fp8_mma)
+                for r, d in T.Parallel(q_rows, ROPE_DIM):
+                    k.Q_rope[rb * q_rows + r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + rb * q_rows + r,
+                                                           KV_LORA_RANK + d, codes=fp8_mma)
+        else:
+            load_q_codes_block(k, q_pass, q_inv)
 
     def q_terms(k, q_pass, r, d):
         """``q_split``: Q[query q_pass, row r, dim d] times its row's scale (exact: a power of two) as its two e4m3
@@ -943,6 +967,36 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         x = T.cast(q_value(k, None, q_pass, k.hg * block_h + r, d), f32) * k.q_row_scale[r]
         hi = T.cast(x, ring_dtype)
         return hi, T.cast((x - T.cast(hi, f32)) * Q_SPLIT_LO, ring_dtype)
+
+    @T.macro
+    def q_split_rows(k, q_pass, rb):
+        """``q_loop_rows``: rows rb x q_loop_rows .. of ``q_split_block``."""
+        for r, d in T.Parallel(q_rows, KV_LORA_RANK):
+            if cfg.q_stack:
+                k.Q_lat[rb * q_rows + r, d], k.Q_lat[block_m + rb * q_rows + r, d] = q_terms(k, q_pass, rb * q_rows + r, d)
+            else:
+                k.Q_lat[rb * q_rows + r, d], k.Q_lat_lo[rb * q_rows + r, d] = q_terms(k, q_pass, rb * q_rows + r, d)
+        for r, d in T.Parallel(q_rows, ROPE_DIM):
+            if cfg.q_stack:
+                k.Q_rope[rb * q_rows + r, d], k.Q_rope[block_m + rb * q_rows + r, d] = q_terms(
+                    k, q_pass, rb * q_rows + r, KV_LORA_RANK + d)
+            else:
+                k.Q_rope[rb * q_rows + r, d], k.Q_rope_lo[rb * q_rows + r, d] = q_terms(
+                    k, q_pass, rb * q_rows + r, KV_LORA_RANK + d)
+
+    @T.macro
+    def q_split_block(k, q_pass):
+        """bf16 Q's rows as their two e4m3 terms, all rows in one block."""
+        if cfg.q_stack:  # hi in rows 0..block_m - 1, lo in the next block_m
+            for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                k.Q_lat[r, d], k.Q_lat[block_m + r, d] = q_terms(k, q_pass, r, d)
+            for r, d in T.Parallel(block_m, ROPE_DIM):
+                k.Q_rope[r, d], k.Q_rope[block_m + r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
+        else:
+            for r, d in T.Parallel(block_m, KV_LORA_RANK):
+                k.Q_lat[r, d], k.Q_lat_lo[r, d] = q_terms(k, q_pass, r, d)
+            for r, d in T.Parallel(block_m, ROPE_DIM):
+                k.Q_rope[r, d], k.Q_rope_lo[r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
 
     @T.macro
     def load_q_split(k, q_pass):
@@ -963,16 +1017,11 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.q_row_factor[row] = T.exp2(k.q_max[0] - Q_SPLIT_TOP)
             k.q_row_scale[row] = T.exp2(Q_SPLIT_TOP - k.q_max[0])
         T.sync_threads(1, CONSUMER_THREADS)
-        if cfg.q_stack:  # hi in rows 0..block_m - 1, lo in the next block_m
-            for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                k.Q_lat[r, d], k.Q_lat[block_m + r, d] = q_terms(k, q_pass, r, d)
-            for r, d in T.Parallel(block_m, ROPE_DIM):
-                k.Q_rope[r, d], k.Q_rope[block_m + r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
+        if cfg.q_loop_rows:
+            for rb in T.serial(block_m // q_rows):
+                q_split_rows(k, q_pass, rb)
         else:
-            for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                k.Q_lat[r, d], k.Q_lat_lo[r, d] = q_terms(k, q_pass, r, d)
-            for r, d in T.Parallel(block_m, ROPE_DIM):
-                k.Q_rope[r, d], k.Q_rope_lo[r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
+            q_split_block(k, q_pass)
 
     @T.macro
     def load_q(k, q_pass, q_inv):

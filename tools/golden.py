@@ -137,7 +137,12 @@ def golden_variants(target: str, only: str = "all") -> list:
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", dynamic_stage=True, persistent_ctas=132,
                            **schedule.ws_ring_defaults("fp8", "bf16")),
         schedule.ws_config(spec, kv_format="fp8", q_format="fp8", causal=True, page_size=64, dynamic_stage=True,
-                           persistent_ctas=132, **schedule.ws_ring_defaults("fp8", "fp8")))
+                           persistent_ctas=132, **schedule.ws_ring_defaults("fp8", "fp8")),
+        # Q's rows written two per step of a loop (``q_loop_rows``): fp8 (bf16 Q's two terms), a8w8 (codes)
+        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", dynamic_stage=True, q_loop_rows=2,
+                           **schedule.ws_ring_defaults("fp8", "bf16")),
+        schedule.ws_config(spec, kv_format="fp8", q_format="fp8", dynamic_stage=True, q_loop_rows=2,
+                           **schedule.ws_ring_defaults("fp8", "fp8")))
     for kv_format in ("fp8", "mxfp4"):
         for mode in ("bench", "check"):
             add(("stream", schedule.ws_config(spec, kv_format=kv_format), mode))

@@ -85,6 +85,13 @@ VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: thei
     "f8mmaqpstdynpc5": dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True, dynamic_stage=True,
                             persistent_ctas=5),
     "f8mmapstdynpc5": dict(fp8_mma=True, p_split=True, p_stack=True, dynamic_stage=True, persistent_ctas=5),
+    # Q's shared rows written two rows per step of a loop (``q_loop_rows``), alone and with persistent CTAs
+    "f8mmaqpstdynql2": dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True, dynamic_stage=True, q_loop_rows=2),
+    "f8mmapstdynql2": dict(fp8_mma=True, p_split=True, p_stack=True, dynamic_stage=True, q_loop_rows=2),
+    "f8mmaqpstdynpcql2": dict(fp8_mma=True, p_split=True, q_stack=True, p_stack=True, dynamic_stage=True,
+                              persistent_ctas=132, q_loop_rows=2),
+    "f8mmapstdynpcql2": dict(fp8_mma=True, p_split=True, p_stack=True, dynamic_stage=True, persistent_ctas=132,
+                             q_loop_rows=2),
     # the MMA warp group one score ahead (S(t + 1) in flight during the softmax of t)
     "f8sa": dict(fp8_mma=True, score_ahead=True),
     "f8saps": dict(fp8_mma=True, score_ahead=True, p_split=True),
