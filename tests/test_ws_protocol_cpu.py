@@ -51,13 +51,24 @@ def fp8_mma_ring(num_tiles, passes, stages=STAGES, vt_stages=None):
         for t in range(rounds * stages):
             g = q_pass * rounds * stages + t
             s, p = t % stages, parity(rounds, q_pass, t // stages)
-            v, vp = g % vt_stages, (g // vt_stages) & 1
-            copier += [("wait", "free", s, p ^ 1), ("arrive", "ready", s)]
-            transposer += [("wait", "ready", s, p), ("wait", "vt_free", v, vp ^ 1), ("arrive", "vt_ready", v),
-                           ("arrive", "free", s)]
-            consumer += [("wait", "ready", s, p), ("arrive", "free", s), ("wait", "vt_ready", v, vp),
-                         ("arrive", "vt_free", v)]
-    return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
+            for program, ops in zip((copier, transposer, consumer),
+                                    fp8_mma_slot(s, p, g % vt_stages, (g // vt_stages) & 1)):
+                program += ops
+    return FP8_MMA_COUNTS, [copier, transposer, consumer]
+
+
+FP8_MMA_COUNTS = {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}  # arrivals per phase: "free" by two roles
+
+
+def fp8_mma_slot(s, p, v, vp, seq=None):
+    """One slot of ``fp8_mma``'s ring, each role's operations (copier, transposer, MMA warp group): codes stage
+    ``s`` with parity ``p``, V^T stage ``v`` with parity ``vp``. ``seq``: also the copier's write of slot s and the
+    MMA warp group's read of it, between its "ready" wait and its "free" arrival (``explore``'s slots)."""
+    data = seq is not None
+    return ([("wait", "free", s, p ^ 1)] + ([("write", s, seq)] if data else []) + [("arrive", "ready", s)],
+            [("wait", "ready", s, p), ("wait", "vt_free", v, vp ^ 1), ("arrive", "vt_ready", v), ("arrive", "free", s)],
+            [("wait", "ready", s, p)] + ([("read", s, seq), ("done", s, seq)] if data else [])
+            + [("arrive", "free", s), ("wait", "vt_ready", v, vp), ("arrive", "vt_free", v)])
 
 
 def fp8_mma_persistent_ring(items, stages=STAGES, carry_base=True):
@@ -74,15 +85,12 @@ def fp8_mma_persistent_ring(items, stages=STAGES, carry_base=True):
         for q_pass in range(passes):
             for t in range(rounds * stages):
                 s, p = t % stages, (base + parity(rounds, q_pass, t // stages)) & 1
-                copier += [("wait", "free", s, p ^ 1), ("write", s, slot_seq), ("arrive", "ready", s)]
-                transposer += [("wait", "ready", s, p), ("wait", "vt_free", s, p ^ 1), ("arrive", "vt_ready", s),
-                               ("arrive", "free", s)]
-                consumer += [("wait", "ready", s, p), ("read", s, slot_seq), ("done", s, slot_seq),
-                             ("arrive", "free", s), ("wait", "vt_ready", s, p), ("arrive", "vt_free", s)]
+                for program, ops in zip((copier, transposer, consumer), fp8_mma_slot(s, p, s, p, slot_seq)):
+                    program += ops
                 slot_seq += 1
         if carry_base:
             base += passes * rounds
-    return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
+    return FP8_MMA_COUNTS, [copier, transposer, consumer]
 
 
 def find_persistent_fault(items, stages=STAGES, carry_base=True):
@@ -117,7 +125,7 @@ def fp8_mma_ring_run47(num_tiles, passes):
             ("arrive", "vt_ready", s), ("arrive", "free", s)]
         consumer += [("wait", "ready", s, p), ("arrive", "free", s)] + (
             [("wait", "vt_ready", s, p)] if real else []) + [("arrive", "vt_free", s)]
-    return {"ready": 1, "free": 2, "vt_ready": 1, "vt_free": 1}, [copier, transposer, consumer]
+    return FP8_MMA_COUNTS, [copier, transposer, consumer]
 
 
 def explore(counts, programs, slots=0):

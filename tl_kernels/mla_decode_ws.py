@@ -458,6 +458,24 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             return (k.ring_base + q_pass * k.rounds + rnd) & 1
         return (q_pass * k.rounds + rnd) & 1
 
+    def split_values(k, kv_indptr):
+        """The work item's KV scalars as (name, value) in order, each value (a function) reading the ones before
+        through ``k``: once per CTA (``cta_state``) or per work item (``item_state``)."""
+        return [("kv_begin", lambda: kv_indptr[k.seq_id]),
+                ("kv_len", lambda: kv_indptr[k.seq_id + 1] - kv_indptr[k.seq_id]),
+                # Split s covers tokens [s * chunk, (s + 1) * chunk), chunk a multiple of block_n.
+                ("chunk", lambda: steps.split_chunk(k.kv_len, k.num_splits, block_n)),
+                ("split_lo", lambda: k.split_id * k.chunk),
+                ("split_hi", lambda: T.min(k.split_lo + k.chunk, k.kv_len)),
+                ("num_tiles", lambda: steps.tile_count(k.split_lo, k.split_hi, block_n)),
+                ("rounds", lambda: T.ceildiv(k.num_tiles, stages))]
+
+    def query_values(k, qo_indptr):
+        """The work item's query scalars, as ``split_values`` (``consumer_state`` / ``item_state``)."""
+        return [("q_begin", lambda: qo_indptr[k.seq_id]),
+                ("q_len", lambda: qo_indptr[k.seq_id + 1] - qo_indptr[k.seq_id]),
+                ("num_passes", lambda: T.max(k.q_len, 0))]
+
     # ---- ``persistent_ctas``: the CTA's work items (without it, one: the grid's, and these add no code)
 
     @T.macro
@@ -469,16 +487,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.item.split_id[0] = (k.cta + i * k.grid) % k.num_splits
             k.item.hg[0] = (k.cta + i * k.grid) // k.num_splits % head_groups
             k.item.seq_id[0] = (k.cta + i * k.grid) // (k.num_splits * head_groups)
-            k.item.kv_begin[0] = k.kv_indptr[k.seq_id]
-            k.item.kv_len[0] = k.kv_indptr[k.seq_id + 1] - k.kv_begin
-            k.item.chunk[0] = steps.split_chunk(k.kv_len, k.num_splits, block_n)
-            k.item.split_lo[0] = k.split_id * k.chunk
-            k.item.split_hi[0] = T.min(k.split_lo + k.chunk, k.kv_len)
-            k.item.num_tiles[0] = steps.tile_count(k.split_lo, k.split_hi, block_n)
-            k.item.rounds[0] = T.ceildiv(k.num_tiles, stages)
-            k.item.q_begin[0] = k.qo_indptr[k.seq_id]
-            k.item.q_len[0] = k.qo_indptr[k.seq_id + 1] - k.q_begin
-            k.item.num_passes[0] = T.max(k.q_len, 0)
+            for name, value in split_values(k, k.kv_indptr) + query_values(k, k.qo_indptr):
+                T.buffer_store(getattr(k.item, name), value(), [0])
 
     @T.macro
     def next_item(k):
@@ -487,16 +497,16 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             k.item.ring_base[0] = k.ring_base + k.num_passes * k.rounds
 
     @T.macro
-    def each_item(k, step, arg):
-        """A producer's ``step(k, arg)`` for each of the CTA's work items (without persistent CTAs: once, for the
-        grid's item)."""
+    def each_item(k, step):
+        """A role's ``step(k)`` for each of the CTA's work items (without persistent CTAs: once, for the grid's
+        item)."""
         if persistent:
             for item in T.serial(k.cta_items):
                 item_state(k, item)
-                step(k, arg)
+                step(k)
                 next_item(k)
         else:
-            step(k, arg)
+            step(k)
 
     # ``dynamic_stage``: the fp8 ring's stages side by side in one buffer per operand, at these byte steps (1-byte
     # codes; TileLang's 128-byte swizzle lays the latent codes out in 8 KiB panels of 128 columns, so the stage of
@@ -612,8 +622,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
                     T.cp_async_barrier_noinc(k.ready[s])
 
     @T.macro
-    def copy_item_one_copy(k, p):
-        """One work item's passes of ``copy_tiles_one_copy`` (``p``: the copier thread)."""
+    def copy_item_one_copy(k):
+        """One work item's passes of ``copy_tiles_one_copy``."""
+        p = k.tx - CONSUMER_THREADS
         for q_pass in T.serial(k.num_passes):
             prefetch_prologue(k, 0)
             for t in T.serial(k.rounds * stages):
@@ -640,12 +651,12 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         """``dynamic_stage``: ``copy_tiles`` in one copy of the tile step, tile t into stage t % stages (a register)
         through ``StageView``s of the one ring buffer per operand; per work item (``persistent_ctas``)."""
         T.set_max_nreg(cfg.producer_regs, 0)
-        p = k.tx - CONSUMER_THREADS
-        each_item(k, copy_item_one_copy, p)
+        each_item(k, copy_item_one_copy)
 
     @T.macro
-    def transpose_item_one_copy(k, p):
-        """One work item's passes of ``transpose_tiles_one_copy`` (``p``: the transposer thread)."""
+    def transpose_item_one_copy(k):
+        """One work item's passes of ``transpose_tiles_one_copy``."""
+        p = k.tx - CONSUMER_THREADS - WARP_GROUP
         for q_pass in T.serial(k.num_passes):
             for t in T.serial(k.rounds * stages):
                 s = t % stages
@@ -665,10 +676,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         """``dynamic_stage``: ``transpose_tiles`` in one copy of the tile step (stage t % stages, a register; its
         codes and V^T at the stage's byte offsets)."""
         T.set_max_nreg(cfg.group_regs(1), 0)
-        p = k.tx - CONSUMER_THREADS - WARP_GROUP
         k.vt_addr[0] = dequant.smem_addr(k.Ring_lat_all[0, 0])
         k.vt_addr[1] = dequant.smem_addr(k.Vt[0, 0])
-        each_item(k, transpose_item_one_copy, p)
+        each_item(k, transpose_item_one_copy)
 
     @T.macro
     def transpose_tiles(k):
@@ -941,27 +951,24 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
 
     # -------------------------------------------------------------------------------------------- consumer
 
-    q_rows = cfg.q_loop_rows or block_m  # rows per step of the Q loops (``q_loop_rows``)
+    q_rows = cfg.q_loop_rows or block_m  # rows per step of the Q loops (``q_loop_rows``; else one step of all)
 
     @T.macro
-    def load_q_codes_block(k, q_pass, q_inv):
-        for r, d in T.Parallel(block_m, KV_LORA_RANK):
-            k.Q_lat[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, d, codes=fp8_mma)
-        for r, d in T.Parallel(block_m, ROPE_DIM):
-            k.Q_rope[r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + r, KV_LORA_RANK + d, codes=fp8_mma)
+    def q_codes_rows(k, q_pass, q_inv, r0):
+        """Rows r0 .. r0 + q_rows - 1 of Q's shared tiles as codes (fp8_mma) or bf16 values."""
+        for r, d in T.Parallel(q_rows, KV_LORA_RANK):
+            k.Q_lat[r0 + r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + (r0 + r), d, codes=fp8_mma)
+        for r, d in T.Parallel(q_rows, ROPE_DIM):
+            k.Q_rope[r0 + r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + (r0 + r), KV_LORA_RANK + d,
+                                          codes=fp8_mma)
 
     @T.macro
     def load_q_codes(k, q_pass, q_inv):
         if cfg.q_loop_rows:
             for rb in T.serial(block_m // q_rows):
-                for r, d in T.Parallel(q_rows, KV_LORA_RANK):
-                    k.Q_lat[rb * q_rows + r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + rb * q_rows + r, d,
-                                                          codes=fp8_mma)
-                for r, d in T.Parallel(q_rows, ROPE_DIM):
-                    k.Q_rope[rb * q_rows + r, d] = q_value(k, q_inv, q_pass, k.hg * block_h + rb * q_rows + r,
-                                                           KV_LORA_RANK + d, codes=fp8_mma)
+                q_codes_rows(k, q_pass, q_inv, rb * q_rows)
         else:
-            load_q_codes_block(k, q_pass, q_inv)
+            q_codes_rows(k, q_pass, q_inv, 0)
 
     def q_terms(k, q_pass, r, d):
         """``q_split``: Q[query q_pass, row r, dim d] times its row's scale (exact: a power of two) as its two e4m3
@@ -970,35 +977,23 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         hi = T.cast(x, ring_dtype)
         return hi, T.cast((x - T.cast(hi, f32)) * Q_SPLIT_LO, ring_dtype)
 
-    @T.macro
-    def q_split_rows(k, q_pass, rb):
-        """``q_loop_rows``: rows rb x q_loop_rows .. of ``q_split_block``."""
-        for r, d in T.Parallel(q_rows, KV_LORA_RANK):
-            if cfg.q_stack:
-                k.Q_lat[rb * q_rows + r, d], k.Q_lat[block_m + rb * q_rows + r, d] = q_terms(k, q_pass, rb * q_rows + r, d)
-            else:
-                k.Q_lat[rb * q_rows + r, d], k.Q_lat_lo[rb * q_rows + r, d] = q_terms(k, q_pass, rb * q_rows + r, d)
-        for r, d in T.Parallel(q_rows, ROPE_DIM):
-            if cfg.q_stack:
-                k.Q_rope[rb * q_rows + r, d], k.Q_rope[block_m + rb * q_rows + r, d] = q_terms(
-                    k, q_pass, rb * q_rows + r, KV_LORA_RANK + d)
-            else:
-                k.Q_rope[rb * q_rows + r, d], k.Q_rope_lo[rb * q_rows + r, d] = q_terms(
-                    k, q_pass, rb * q_rows + r, KV_LORA_RANK + d)
+    q_lo_row = block_m if cfg.q_stack else 0  # ``q_split``: the first row of the lo term in its buffer
+
+    def q_lo(k, rope):
+        """``q_split``: the buffer of the lo term (Q_lat / Q_rope below the hi rows with ``q_stack``, else its own);
+        a function, not a macro assignment, which would rename the buffer in the generated code."""
+        if cfg.q_stack:
+            return k.Q_rope if rope else k.Q_lat
+        return k.Q_rope_lo if rope else k.Q_lat_lo
 
     @T.macro
-    def q_split_block(k, q_pass):
-        """bf16 Q's rows as their two e4m3 terms, all rows in one block."""
-        if cfg.q_stack:  # hi in rows 0..block_m - 1, lo in the next block_m
-            for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                k.Q_lat[r, d], k.Q_lat[block_m + r, d] = q_terms(k, q_pass, r, d)
-            for r, d in T.Parallel(block_m, ROPE_DIM):
-                k.Q_rope[r, d], k.Q_rope[block_m + r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
-        else:
-            for r, d in T.Parallel(block_m, KV_LORA_RANK):
-                k.Q_lat[r, d], k.Q_lat_lo[r, d] = q_terms(k, q_pass, r, d)
-            for r, d in T.Parallel(block_m, ROPE_DIM):
-                k.Q_rope[r, d], k.Q_rope_lo[r, d] = q_terms(k, q_pass, r, KV_LORA_RANK + d)
+    def q_split_rows(k, q_pass, r0):
+        """``q_split``: rows r0 .. r0 + q_rows - 1 of bf16 Q as their two e4m3 terms: hi into Q_lat / Q_rope, lo into
+        their rows block_m .. (``q_stack``) or into Q_lat_lo / Q_rope_lo."""
+        for r, d in T.Parallel(q_rows, KV_LORA_RANK):
+            k.Q_lat[r0 + r, d], q_lo(k, False)[q_lo_row + (r0 + r), d] = q_terms(k, q_pass, r0 + r, d)
+        for r, d in T.Parallel(q_rows, ROPE_DIM):
+            k.Q_rope[r0 + r, d], q_lo(k, True)[q_lo_row + (r0 + r), d] = q_terms(k, q_pass, r0 + r, KV_LORA_RANK + d)
 
     @T.macro
     def load_q_split(k, q_pass):
@@ -1021,9 +1016,9 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         T.sync_threads(1, CONSUMER_THREADS)
         if cfg.q_loop_rows:
             for rb in T.serial(block_m // q_rows):
-                q_split_rows(k, q_pass, rb)
+                q_split_rows(k, q_pass, rb * q_rows)
         else:
-            q_split_block(k, q_pass)
+            q_split_rows(k, q_pass, 0)
 
     @T.macro
     def load_q(k, q_pass, q_inv):
@@ -1416,13 +1411,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     @T.macro
     def consume_tiles(k):
         T.set_max_nreg(cfg.consumer_regs, 1)
-        if persistent:
-            for item in T.serial(k.cta_items):
-                item_state(k, item)
-                consume_item(k)
-                next_item(k)
-        else:
-            consume_item(k)
+        each_item(k, consume_item)
 
     # ------------------------------------------------------------------------------------------- the CTA
 
@@ -1461,14 +1450,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
             item_registers(k)
         else:
             k.split_id, k.seq_id = split_id, seq_id
-            k.kv_begin = scalar("int32", kv_indptr[seq_id])
-            k.kv_len = scalar("int32", kv_indptr[seq_id + 1] - kv_indptr[seq_id])
-            # Split s covers tokens [s * chunk, (s + 1) * chunk), chunk a multiple of block_n.
-            k.chunk = scalar("int32", steps.split_chunk(k.kv_len, num_splits, block_n))
-            k.split_lo = scalar("int32", split_id * k.chunk)
-            k.split_hi = scalar("int32", T.min(k.split_lo + k.chunk, k.kv_len))
-            k.num_tiles = scalar("int32", steps.tile_count(k.split_lo, k.split_hi, block_n))
-            k.rounds = scalar("int32", T.ceildiv(k.num_tiles, stages))
+            for name, value in split_values(k, kv_indptr):
+                setattr(k, name, scalar("int32", value()))
         k.tx = T.get_thread_binding()
         if decodes:
             p = k.tx - CONSUMER_THREADS
@@ -1483,8 +1466,7 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
     def item_registers(k):
         """``persistent_ctas``: one int32 register per work-item scalar (``k.item.<name>``, written by
         ``item_state``), read as ``k.<name>``; ``ring_base`` (the CTA's rounds so far) starts at 0."""
-        names = ("split_id", "hg", "seq_id", "kv_begin", "kv_len", "chunk", "split_lo", "split_hi", "num_tiles",
-                 "rounds", "q_begin", "q_len", "num_passes")
+        names = ("split_id", "hg", "seq_id", *(name for name, _ in split_values(k, None) + query_values(k, None)))
         k.item = SimpleNamespace(**{name: T.alloc_var("int32") for name in names})
         k.item.ring_base = T.alloc_var("int32", init=0)
         for name in (*names, "ring_base"):
@@ -1542,9 +1524,8 @@ def mla_decode_ws_kernel(cfg: WSDecodeKernelConfig, stream: str | None = None):
         if persistent:  # per work item: ``item_state``
             k.qo_indptr = qo_indptr
         else:
-            k.q_begin = scalar("int32", qo_indptr[seq_id])
-            k.q_len = scalar("int32", qo_indptr[seq_id + 1] - qo_indptr[seq_id])
-            k.num_passes = scalar("int32", T.max(k.q_len, 0))
+            for name, value in query_values(k, qo_indptr):
+                setattr(k, name, scalar("int32", value()))
         if cfg.score_ahead:
             # One S^T fragment (and lo term's) per stage: stage s's view of the state is the state with its own.
             k.stage_views = [k]
