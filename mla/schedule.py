@@ -62,6 +62,9 @@ class WSDefault:
     p_split: bool = False  # ``WSDecodeKernelConfig.p_split``: with fp8_mma, P as two e4m3 terms
     q_stack: bool = False  # ``WSDecodeKernelConfig.q_stack``: with fp8_mma and bf16 Q, both Q terms in one wgmma
     p_stack: bool = False  # ``WSDecodeKernelConfig.p_stack``: with p_split, both P terms in one wgmma
+    # Q formats whose default ring is persistent: every role's tile step in one copy (``dynamic_stage``) and one CTA
+    # per SM walking the work items (``persistent_ctas`` = the target's SM count)
+    persistent_q_formats: tuple[str, ...] = ()
 
 
 # Flat mxfp4 caches from 512 Ki tokens, fp8 from 256 Ki (bf16 or fp8 Q): below that the 16-row kernel with its
@@ -79,7 +82,7 @@ WS_DEFAULTS = {
                        direct_stores=True, ordered_decode=True),
     "fp8": WSDefault(min_tokens=256 * 1024, fp8_q_min_tokens=256 * 1024, paged_min_tokens=None, l2_prefetch=3,
                      direct_stores=True, ordered_decode=False, fp8_mma=True, p_split=True, q_stack=True,
-                     p_stack=True),
+                     p_stack=True, persistent_q_formats=("bf16",)),
 }
 # fp8 caches (bf16 or fp8 Q) on the fp8 wgmma ring with P as two e4m3 terms (``fp8_mma``, ``p_split``; run 50, H100,
 # 256 x 8192: a8w8 441.9 vs 616.5 us on the decoder ring, fp8 523.8 vs 609.7; 64 x 8192: 140.3 vs 188.7, 150.3 vs
@@ -90,6 +93,10 @@ WS_DEFAULTS = {
 # That ring from 256 Ki tokens (run 52, H100, same run against the 16-row kernel: 32 x 8192 fp8 82.2 vs 97.3 us, a8w8
 # 92.0 vs 108.9; 256 x 1024 83.5 vs 94.4, 89.6 vs 109.1); at 64 Ki tokens it ties (64 x 1024 fp8 38.8 vs 38.6) or
 # loses (a8w8 51.3 vs 49.7; 4 x 8192 59.9 vs 31.6: four sequences fill few SMs with one CTA each).
+# bf16 Q's ring persistent (``persistent_q_formats``; run 62, H100, same-run A/B, GPU time alone, two passes within
+# 1%): 256 x 8192 437.8 -> 414.4 us, 64 x 8192 131.9 -> 128.8, 256 x 1024 83.1 -> 81.0; 32 x 8192 (128 work items,
+# one wave) 81.4 -> 81.7. a8w8's is 0.5-3% slower persistent (256 x 8192 415.7 -> 419.2, 256 x 1024 85.0 -> 87.0) and
+# keeps one CTA per work item. (Q's rows in a loop, ``q_loop_rows``, was 1-4% slower for both: not taken.)
 # Every format: the MMA warp group's softmax with one barrier per tile and its score wgmma waited for once
 # (``fast_softmax``, ``score_group``; run 28, H100: the MMA warp group alone 525 -> 311 us at 256 x 8192).
 WS_CONSUMER = dict(fast_softmax=True, score_group=True)
@@ -307,12 +314,23 @@ def ws_ring_defaults(kv_format: str, q_format: str = "bf16") -> dict:
                 p_stack=tuned.p_stack)
 
 
+def ws_persistent_defaults(spec: TargetSpec, kv_format: str, q_format: str = "bf16") -> dict:
+    """The persistence the op's default adds to the ring of ``ws_ring_defaults`` (``ws_config`` overrides): one
+    copy of each role's tile step and one CTA per SM (``dynamic_stage``, ``persistent_ctas``) where
+    ``WS_DEFAULTS[kv_format].persistent_q_formats`` holds ``q_format``, else none."""
+    tuned = WS_DEFAULTS.get(kv_format)
+    if tuned is None or q_format not in tuned.persistent_q_formats:
+        return {}
+    return dict(dynamic_stage=True, persistent_ctas=spec.num_sms)
+
+
 def ws_default_config(spec: TargetSpec, *, kv_format: str, q_format: str = "bf16", num_heads: int = 16,
                       causal: bool = False, page_size: int = 0) -> WSDecodeKernelConfig:
     """The warp-specialised config the op launches with no tuning overrides (``ws_config`` with
-    ``ws_ring_defaults``)."""
+    ``ws_ring_defaults`` and ``ws_persistent_defaults``)."""
     return ws_config(spec, kv_format=kv_format, q_format=q_format, num_heads=num_heads, causal=causal,
-                     page_size=page_size, **ws_ring_defaults(kv_format, q_format))
+                     page_size=page_size, **ws_ring_defaults(kv_format, q_format),
+                     **ws_persistent_defaults(spec, kv_format, q_format))
 
 
 def ws_num_splits(spec: TargetSpec, cfg: WSDecodeKernelConfig, *, batch: int, total_kv: int) -> int:

@@ -23,17 +23,24 @@ CEILING_REPS = 10
 HOST_WARMUP_CALLS = 20  # untimed calls before a host_us_per_call loop
 
 
-def time_call_us(fn, *, reps: int, warmup: int, flush: torch.Tensor | None) -> list[float]:
+def time_call_us(fn, *, reps: int, warmup: int, flush: torch.Tensor | None,
+                 host_slack_us: float = 0.0) -> list[float]:
     """Per-rep times (us) of ``fn()``: CUDA events around one call, the L2 flushed (``flush.zero_()``) before each
-    rep and the host synchronized after each, as the competition harness does."""
+    rep and the host synchronized after each, as the competition harness does. ``host_slack_us`` > 0: a sleep kernel
+    of that long between the flush and the start event, so a host path slower than the flush (the A/B tools'
+    per-call config overrides: docs/perf.md run 62) is enqueued before the GPU reaches the call, and the time is the
+    GPU's alone; 0 (the bench's and the harness's timing) leaves the host's cost in where it shows."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    sleep_cycles = int(host_slack_us * sleep_cycles_per_us()) if host_slack_us > 0 else 0
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times_us = []
     for _ in range(reps):
         if flush is not None:
             flush.zero_()
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
         start.record()
         fn()
         end.record()
@@ -85,6 +92,7 @@ def host_us_per_call(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+@functools.cache
 def sleep_cycles_per_us() -> float:
     """GPU clock cycles per microsecond of ``torch.cuda._sleep`` (measured once with CUDA events)."""
     cycles = 20_000_000

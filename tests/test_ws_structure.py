@@ -98,6 +98,22 @@ def test_shared_bytes_bound_the_lowered_allocation(source):
     assert lowered <= cfg.shared_bytes <= H200.smem_bytes, (cfg.name, lowered, cfg.shared_bytes)
 
 
+@pytest.mark.parametrize("kv_format,q_format", [("fp8", "bf16"), ("fp8", "fp8"), ("mxfp4", "bf16")])
+def test_default_ring_is_persistent_where_ws_defaults_say(kv_format, q_format):
+    """The default's persistence (schedule.ws_persistent_defaults, docs/perf.md run 62b): fp8 caches with bf16 Q take
+    the one-copy ring with one CTA per SM (the target's own count, so an SM count other than the H200's gets its own
+    grid bound); a8w8 and mxfp4 keep one CTA per work item."""
+    persistent = q_format in schedule.WS_DEFAULTS[kv_format].persistent_q_formats
+    assert persistent == ((kv_format, q_format) == ("fp8", "bf16"))
+    for spec in (H200, dataclasses.replace(H200, num_sms=114)):
+        for causal, page_size in ((False, 0), (True, 64)):
+            cfg = schedule.ws_default_config(spec, kv_format=kv_format, q_format=q_format, causal=causal,
+                                             page_size=page_size)
+            assert cfg.persistent_ctas == (spec.num_sms if persistent else 0), (spec.num_sms, causal, page_size)
+            assert cfg.dynamic_stage or not persistent
+            assert cfg.name.endswith(f"_pc{spec.num_sms}") == persistent, cfg.name
+
+
 def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
     """The default for 16 heads x 1 query on sm_90a where it measured faster (schedule.WS_DEFAULTS: flat fp8 and
     mxfp4 caches from 512 Ki tokens, docs/perf.md run 33; paged mxfp4 from 64 Ki, run 15); the 16/32/64-row kernel
@@ -129,6 +145,7 @@ def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
         assert isinstance(cfg, WSDecodeKernelConfig) == ws and (not ws or cfg.q_format == "fp8"), total_kv
         assert not ws or (cfg.fp8_mma and cfg.p_split and cfg.p_stack and not cfg.q_stack), (
             "a8w8's default: both GEMMs on fp8 wgmma, P's two terms in one P V group")
+        assert not ws or not cfg.persistent_ctas, "a8w8's default ring: one CTA per work item (run 62b)"
     # any tuning override beyond ``ws``: the family's base config plus those overrides (the decoder ring for fp8)
     cfg, _, _ = schedule.select_kernels(H200, kv_format="fp8", num_heads=16, batch=8, total_q=8, total_kv=8,
                                         ws=True, num_stages=2, **common)
