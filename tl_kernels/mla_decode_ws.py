@@ -183,14 +183,15 @@ class WSDecodeKernelConfig:
     # CTA's rounds so far (``ring_base``), so the copier and the transposer fill the next item's first stages while
     # the MMA warp group writes, merges and loads Q for the last one, and the prologue (barriers, register budgets,
     # descriptors) is paid once per SM instead of once per item. 0: one CTA per item (the grid of splits x
-    # sequences x head groups). tests/test_ws_protocol_cpu.py model-checks the ring across items. Opt-in, not yet
-    # run on a GPU (docs/perf.md run 62).
+    # sequences x head groups). tests/test_ws_protocol_cpu.py model-checks the ring across items. The op's default
+    # for bf16 Q at the target's SM count (mla.schedule.ws_persistent_defaults; docs/perf.md run 62b, H100: 256 x 8192
+    # 437.8 -> 414.4 us); a8w8 was 0.5-3% slower with it.
     persistent_ctas: int = 0
     # ``fp8_mma``: the MMA warp group writes Q's shared rows (codes, or bf16 Q's two terms) ``q_loop_rows`` rows at a
     # time in a loop, instead of all 16 in one unrolled block: the straight-line code each pass runs once (fp8
     # with bf16 Q: ~1570 instructions, 25 KB of SASS before the first wgmma) becomes a loop (the cubin 109.5 ->
     # 91.1 KB at 2 rows), for a CTA that starts with a cold instruction cache (the harness flushes L2 between
-    # calls). 0: one block. Opt-in, not yet timed (docs/perf.md run 62).
+    # calls). 0: one block. Opt-in: 1-4% slower (docs/perf.md run 62b, H100), the cold-cache hypothesis rejected.
     q_loop_rows: int = 0
 
     fused_combine = True  # the launch passes num_splits + split workspace + semaphores; no combine kernel
