@@ -209,6 +209,13 @@ def watchdog_configs(spec, rings):
     return configs
 
 
+def carry_configs(spec):
+    """The kernels this module's watchdog children launch, which its collected items do not declare
+    (``launches`` names problem classes, the children take F8MMA's rings): every ring's ``watchdog_configs``, for
+    tools/cache_keys.py to build and carry beside the items' kernels."""
+    return watchdog_configs(spec, list(F8MMA))
+
+
 def prebuild_rings(rings):
     """Compile here, before the watchdog starts, every kernel the child launches for ``rings``: a compile takes
     30-60 s on the GPU host and cannot hang, so it stays outside the watchdog, which then times the rings alone (a

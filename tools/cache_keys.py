@@ -4,11 +4,13 @@ The device machine is reached with at most 64 MiB of carried files, and its host
 time, so a run carries kernels compiled on the CPU box (``TILELANG_CACHE_DIR``). The whole cache soon outgrows the
 carry; this tool names the cache entries one run needs: the bench's variants (flat caches, 16 heads, every mode:
 ``python -m mla.prebuild --page-size 0 --heads 16 --api mla_decode``) and, optionally, every kernel the given GPU test
-modules launch (``tests/helpers.launches``). Nothing is lowered or compiled: TileLang's cache key of each variant is
-computed (it hashes the TIR, so a refactor that leaves the generated CUDA unchanged still changes the key).
+modules launch (``tests/helpers.launches``, and a module's ``carry_configs``). Without ``--build`` nothing is
+lowered or compiled: TileLang's cache key of each variant is computed (it hashes the TIR, so a refactor that leaves
+the generated CUDA unchanged still changes the key).
 
     MLA_TARGET=sm_90a TILELANG_CACHE_DIR=/work/tlcache python tools/cache_keys.py tests/test_decode_gpu.py
     ... python tools/cache_keys.py --no-bench tests/test_ws_gpu.py --pack .device/tl-cache.tar.xz
+    ... python tools/cache_keys.py --no-bench --build 2 tests/test_ws_gpu.py --pack ...  # compile what is missing first
 
 Prints one line per variant: its key and name, ``MISSING`` where the cache lacks it; ``--pack FILE`` writes an xz
 tar of the present entries (paths relative to the cache root, as the device scripts unpack them). Exit status 1 if
@@ -38,7 +40,12 @@ def test_configs(spec, modules):
     pytest.main(["-q", "--collect-only", "-p", "no:cacheprovider", *modules], plugins=[collect])
     from helpers import classes_of_items, kernel_configs
 
-    return kernel_configs(spec, classes_of_items(collect.items))
+    configs = kernel_configs(spec, classes_of_items(collect.items))
+    # what a module launches beyond its items' declared classes (tests/test_ws_gpu.py: the watchdog children's rings)
+    for module in dict.fromkeys(getattr(item, "module", None) for item in collect.items):
+        if hasattr(module, "carry_configs"):
+            configs += module.carry_configs(spec)
+    return configs
 
 
 def cache_key(cfg, spec) -> str:
@@ -72,6 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("modules", nargs="*", help="GPU test modules whose kernels to add (tests/test_*_gpu.py)")
     parser.add_argument("--no-bench", action="store_true", help="leave out the bench's variants")
     parser.add_argument("--pack", metavar="FILE", help="write an xz tar of the present entries to FILE")
+    parser.add_argument("--build", type=int, metavar="JOBS", default=0,
+                        help="first compile the variants into the cache with JOBS worker processes (cached ones load)")
     args = parser.parse_args(argv)
     cache = os.environ.get("TILELANG_CACHE_DIR")
     if not cache:
@@ -84,6 +93,8 @@ def main(argv=None) -> int:
                                                               heads=(16,), api="mla_decode")
     if args.modules:
         configs += test_configs(spec, args.modules)
+    if args.build:
+        prebuild.build(configs, spec, jobs=args.build, progress=True, label="cache_keys --build")
     import tilelang
 
     kernels = os.path.join(tilelang.__version__, "linux-x86_64", "kernels")
