@@ -93,7 +93,7 @@ WS_DEFAULTS = {
 # That ring from 256 Ki tokens (run 52, H100, same run against the 16-row kernel: 32 x 8192 fp8 82.2 vs 97.3 us, a8w8
 # 92.0 vs 108.9; 256 x 1024 83.5 vs 94.4, 89.6 vs 109.1); at 64 Ki tokens it ties (64 x 1024 fp8 38.8 vs 38.6) or
 # loses (a8w8 51.3 vs 49.7; 4 x 8192 59.9 vs 31.6: four sequences fill few SMs with one CTA each).
-# bf16 Q's ring persistent (``persistent_q_formats``; run 62, H100, same-run A/B, GPU time alone, two passes within
+# bf16 Q's ring persistent (``persistent_q_formats``; run 62b, H100, same-run A/B, GPU time alone, two passes within
 # 1%): 256 x 8192 437.8 -> 414.4 us, 64 x 8192 131.9 -> 128.8, 256 x 1024 83.1 -> 81.0; 32 x 8192 (128 work items,
 # one wave) 81.4 -> 81.7. a8w8's is 0.5-3% slower persistent (256 x 8192 415.7 -> 419.2, 256 x 1024 85.0 -> 87.0) and
 # keeps one CTA per work item. (Q's rows in a loop, ``q_loop_rows``, was 1-4% slower for both: not taken.)
