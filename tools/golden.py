@@ -113,16 +113,11 @@ def golden_variants(target: str, only: str = "all") -> list:
         # mxfp4 with two decoder warp groups (``schedule.MX_RING_2D``): flat, and causal over pages of 64
         schedule.ws_config(spec, kv_format="mxfp4", **schedule.MX_RING_2D),
         schedule.ws_config(spec, kv_format="mxfp4", causal=True, page_size=64, **schedule.MX_RING_2D),
-        # the op's default ring for fp8 caches before it was persistent (``schedule.ws_ring_defaults``): bf16 Q,
-        # causal over pages of 64
-        schedule.ws_config(spec, kv_format="fp8", q_format="bf16", **schedule.ws_ring_defaults("fp8", "bf16")),
+        # bf16 Q's ring causal over pages of 64: not persistent (the op's default before run 62b), and the op's
+        # default (``schedule.ws_default_config``; the flat defaults are the default class's, above)
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", causal=True, page_size=64,
                            **schedule.ws_ring_defaults("fp8", "bf16")),
-        # the op's default for fp8 caches (``schedule.ws_default_config``, persistent for bf16 Q): bf16 Q, causal over
-        # pages of 64; a8w8 flat
-        schedule.ws_default_config(spec, kv_format="fp8", q_format="bf16"),
         schedule.ws_default_config(spec, kv_format="fp8", q_format="bf16", causal=True, page_size=64),
-        schedule.ws_default_config(spec, kv_format="fp8", q_format="fp8"),
         # bf16 Q's two e4m3 terms stacked in one score wgmma (m64n32)
         schedule.ws_config(spec, kv_format="fp8", q_format="bf16", p_split=True, q_stack=True, **f8mma),
         # P's two terms stacked in one P V wgmma group (m64n32): a8w8, and bf16 Q with q_stack

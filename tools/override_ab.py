@@ -22,13 +22,9 @@ sys.path.insert(0, ".")
 from mla import jit, reference, schedule  # noqa: E402
 from mla.constants import MODES  # noqa: E402
 from mla.target import spec_for_name  # noqa: E402
+from mla_bench.timing import AB_HOST_SLACK_US  # noqa: E402
 
 SHAPES = "4x1024,4x8192,32x1024,32x8192,64x1024,64x8192,256x1024,256x8192"
-
-# The per-call config overrides make the op's host path slower than the L2 flush (docs/perf.md run 62: fp8 4 x 1024
-# timed 34-166 us for a ~17 us kernel), so the A/B times each call behind a GPU sleep of this long (us).
-HOST_SLACK_US = 400.0
-
 
 def _bool_fields() -> set[str]:
     """The override fields that take 0 / 1 as booleans: the op's own switches and every bool field of the kernel
@@ -128,7 +124,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--modes", default="bf16,fp8,a8w8,mxfp4")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--host-slack-us", type=float, default=HOST_SLACK_US,
+    ap.add_argument("--host-slack-us", type=float, default=AB_HOST_SLACK_US,
                     help="a GPU sleep of this long before each timed call, so the time is the GPU's alone "
                          "(0: the harness's timing, host path included where it outlasts the L2 flush)")
     ap.add_argument("--json")

@@ -32,7 +32,6 @@ from tl_kernels.mla_decode_ws import WSDecodeKernelConfig  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests"))
 from helpers import REL_L2, check_against_reference, per_sequence_rel_l2  # noqa: E402  (the tests' gate, once)
 
-HOST_SLACK_US = 400.0  # tools/override_ab.py's HOST_SLACK_US
 SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
 OLD_FAMILY = {"block_n": 64}  # any override of the old family's fields selects it (its default tile)
 VARIANTS = {  # name -> config overrides (fp8 / mxfp4 take two stages only: their decoders hold two tiles)
@@ -200,10 +199,10 @@ def check(spec, args) -> list[dict]:
 
 def time_us(fn, flush, reps: int) -> float:
     """Median us of ``fn()`` over ``reps`` cold-L2 reps: bench.py's timing (``mla_bench.timing.time_call_us``), behind
-    a GPU sleep of ``HOST_SLACK_US`` so the per-call overrides' host path does not show (tools/override_ab.py)."""
-    from mla_bench.timing import time_call_us
+    a GPU sleep of ``AB_HOST_SLACK_US`` so the per-call overrides' host path does not show (tools/override_ab.py)."""
+    from mla_bench.timing import AB_HOST_SLACK_US, time_call_us
 
-    return statistics.median(time_call_us(fn, reps=reps, warmup=3, flush=flush, host_slack_us=HOST_SLACK_US))
+    return statistics.median(time_call_us(fn, reps=reps, warmup=3, flush=flush, host_slack_us=AB_HOST_SLACK_US))
 
 
 def split_candidates(batch, kv_len):
