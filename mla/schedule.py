@@ -67,10 +67,12 @@ class WSDefault:
     persistent_q_formats: tuple[str, ...] = ()
 
 
-# Flat mxfp4 caches from 512 Ki tokens, fp8 from 256 Ki (bf16 or fp8 Q): below that the 16-row kernel with its
-# bit-placement decode (``fast_decode``) is faster (run 33, H100, same-run A/B on the decoder ring: fp8 32 x 8192 99.7
-# vs 109.5 us, 256 x 1024 94.6 vs 105.1; mxfp4 32 x 8192 107.7 vs 118.0, 64 x 1024 40.3 vs 58.8, 256 x 1024 103.6 vs
-# 97.7; the WS kernel at 64 x 8192: fp8 241 vs 270, mxfp4 187-240 vs 267). Paged mxfp4 caches from 64 Ki tokens (run 15,
+# Flat fp8 and mxfp4 caches from 256 Ki tokens (bf16 Q; fp8 also with fp8 Q): below that the 16-row kernel with its
+# bit-placement decode (``fast_decode``) is faster (run 33, H100, same-run A/B on the decoder ring: mxfp4 64 x 1024
+# 40.3 vs 58.8 us; fp8's ring since: run 52 below). mxfp4 moved from 512 Ki to 256 Ki after its decoder ring had
+# gained ``ordered_decode`` and stores by address (run 58, H100, same call: the ring forced at 32 x 8192 89.6 us and
+# 256 x 1024 87.4, the 16-row kernel 107.5 / 103.8; run 33 had the ring behind there, 118.0 / 97.7 vs 107.7 / 103.6).
+# Paged mxfp4 caches from 64 Ki tokens (run 15,
 # H200, against the 16-row kernel's staged element-wise decode, which paged caches still take); paged fp8 is not timed
 # on the WS kernel. mxfp4: bf16 Q only, no prefetch (faster with it on an H100, slower on an H200, runs 24-25), decoder
 # stores by address with the decodes kept below the free-stage wait (run 34, H100: 217.7 -> 174.4 us at 64 x 8192, 607.6
@@ -78,7 +80,7 @@ class WSDefault:
 # (its decoders: 88.5% of the read ceiling with 3, 79% without, 6 evicts before use; runs 24-25) and storing by address
 # (run 30: 724 -> 606 us at 256 x 8192). bf16 caches (whose cp.async copier the prefetch slows) keep the 16-row kernel.
 WS_DEFAULTS = {
-    "mxfp4": WSDefault(min_tokens=512 * 1024, fp8_q_min_tokens=None, paged_min_tokens=64 * 1024, l2_prefetch=0,
+    "mxfp4": WSDefault(min_tokens=256 * 1024, fp8_q_min_tokens=None, paged_min_tokens=64 * 1024, l2_prefetch=0,
                        direct_stores=True, ordered_decode=True),
     "fp8": WSDefault(min_tokens=256 * 1024, fp8_q_min_tokens=256 * 1024, paged_min_tokens=None, l2_prefetch=3,
                      direct_stores=True, ordered_decode=False, fp8_mma=True, p_split=True, q_stack=True,
