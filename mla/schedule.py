@@ -72,11 +72,11 @@ class WSDefault:
 # 40.3 vs 58.8 us; fp8's ring since: run 52 below). mxfp4 moved from 512 Ki to 256 Ki after its decoder ring had
 # gained ``ordered_decode`` and stores by address (run 58, H100, same call: the ring forced at 32 x 8192 89.6 us and
 # 256 x 1024 87.4, the 16-row kernel 107.5 / 103.8; run 33 had the ring behind there, 118.0 / 97.7 vs 107.7 / 103.6).
-# Paged mxfp4 caches from 64 Ki tokens (run 15,
-# H200, against the 16-row kernel's staged element-wise decode, which paged caches still take); paged fp8 is not timed
-# on the WS kernel. mxfp4: bf16 Q only, no prefetch (faster with it on an H100, slower on an H200, runs 24-25), decoder
-# stores by address with the decodes kept below the free-stage wait (run 34, H100: 217.7 -> 174.4 us at 64 x 8192, 607.6
-# -> 565.8 at 256 x 8192; fp8 is slower with the latter: 179.5 -> 197.3, 607.1 -> 625.0). fp8: prefetching 3 tiles ahead
+# Paged mxfp4 caches from 64 Ki tokens (run 15, H200, against the 16-row kernel's staged element-wise decode, which
+# paged caches still take); paged fp8 is not timed on the WS kernel. mxfp4: bf16 Q only, no prefetch (faster with it
+# on an H100, slower on an H200, runs 24-25), decoder stores by address with the decodes kept below the free-stage
+# wait (run 34, H100: 217.7 -> 174.4 us at 64 x 8192, 607.6 -> 565.8 at 256 x 8192; fp8 is slower with the latter:
+# 179.5 -> 197.3, 607.1 -> 625.0). fp8: prefetching 3 tiles ahead
 # (its decoders: 88.5% of the read ceiling with 3, 79% without, 6 evicts before use; runs 24-25) and storing by address
 # (run 30: 724 -> 606 us at 256 x 8192). bf16 caches (whose cp.async copier the prefetch slows) keep the 16-row kernel.
 WS_DEFAULTS = {
