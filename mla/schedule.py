@@ -76,9 +76,9 @@ class WSDefault:
 # paged caches still take); paged fp8 is not timed on the WS kernel. mxfp4: bf16 Q only, no prefetch (faster with it
 # on an H100, slower on an H200, runs 24-25), decoder stores by address with the decodes kept below the free-stage
 # wait (run 34, H100: 217.7 -> 174.4 us at 64 x 8192, 607.6 -> 565.8 at 256 x 8192; fp8 is slower with the latter:
-# 179.5 -> 197.3, 607.1 -> 625.0). fp8: prefetching 3 tiles ahead
-# (its decoders: 88.5% of the read ceiling with 3, 79% without, 6 evicts before use; runs 24-25) and storing by address
-# (run 30: 724 -> 606 us at 256 x 8192). bf16 caches (whose cp.async copier the prefetch slows) keep the 16-row kernel.
+# 179.5 -> 197.3, 607.1 -> 625.0). fp8: prefetching 3 tiles ahead (its decoders: 88.5% of the read ceiling with 3,
+# 79% without, 6 evicts before use; runs 24-25) and storing by address (run 30: 724 -> 606 us at 256 x 8192). bf16
+# caches (whose cp.async copier the prefetch slows) keep the 16-row kernel.
 WS_DEFAULTS = {
     "mxfp4": WSDefault(min_tokens=256 * 1024, fp8_q_min_tokens=None, paged_min_tokens=64 * 1024, l2_prefetch=0,
                        direct_stores=True, ordered_decode=True),

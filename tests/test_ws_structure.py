@@ -116,8 +116,8 @@ def test_default_ring_is_persistent_where_ws_defaults_say(kv_format, q_format):
 
 def test_schedule_picks_the_family_for_the_16_row_class_on_hopper_only():
     """The default for 16 heads x 1 query on sm_90a where it measured faster (schedule.WS_DEFAULTS: flat fp8 and
-    mxfp4 caches from 256 Ki tokens, docs/perf.md runs 52 and 58; paged mxfp4 from 64 Ki, run 15); the 16/32/64-row kernel
-    elsewhere (bf16 caches, smaller caches, paged fp8, mxfp4 with fp8 Q), and always on gfx942."""
+    mxfp4 caches from 256 Ki tokens, docs/perf.md runs 52 and 58; paged mxfp4 from 64 Ki, run 15); the 16/32/64-row
+    kernel elsewhere (bf16 caches, smaller caches, paged fp8, mxfp4 with fp8 Q), and always on gfx942."""
     common = dict(q_format="bf16", causal=False, page_size=0)
     big = max(d.min_tokens for d in schedule.WS_DEFAULTS.values())
     for kv_format, default in schedule.WS_DEFAULTS.items():

@@ -26,6 +26,7 @@ from mla_bench.timing import AB_HOST_SLACK_US  # noqa: E402
 
 SHAPES = "4x1024,4x8192,32x1024,32x8192,64x1024,64x8192,256x1024,256x8192"
 
+
 def _bool_fields() -> set[str]:
     """The override fields that take 0 / 1 as booleans: the op's own switches and every bool field of the kernel
     configs (so ``fp8_mma=1`` builds the same config, name and cache key as ``fp8_mma=True``)."""
